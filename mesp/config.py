@@ -1,0 +1,202 @@
+"""ModelConfig: one dataclass for every family, built from an HF config.json (old or new RoPE keys).
+
+A family is a handful of flags (see `mesp.models.families`); everything else is a dimension.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesp.errors import MespError
+
+# HF model_type -> our family name
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # multimodal wrapper config; we take its text_config
+}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass
+class RopeSpec:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # RoPE per layer type ("full_attention" / "sliding_attention")
+    rope: dict[str, RopeSpec] = field(default_factory=lambda: {FULL: RopeSpec()})
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise MespError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise MespError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale: Gemma3 uses query_pre_attn_scalar, the rest 1/sqrt(head_dim)."""
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return 1.0 / math.sqrt(base)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from an HF config dict; keeps the keys we know, ignores the rest."""
+        if d.get("model_type") == "gemma3" and "text_config" in d:
+            d = {**d["text_config"], "model_type": "gemma3_text"}
+        mt = d.get("model_type")
+        if mt not in MODEL_TYPES:
+            known = ", ".join(sorted(k for k in MODEL_TYPES if k != "gemma3"))
+            raise MespError(f"{source}: model_type {mt!r} is not supported (supported: {known})")
+        family = MODEL_TYPES[mt]
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            n_layers = int(d["num_hidden_layers"])
+            cfg = dict(
+                family=family,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
+                # Qwen2 always has q/k/v biases; HF's Qwen2 config has no key for it
+                attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=d.get("eos_token_id"),
+                pad_token_id=d.get("pad_token_id"),
+            )
+        except KeyError as e:
+            raise MespError(f"{source}: missing key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise MespError(f"{source}: bad value: {e}") from None
+        if family == "gemma3":
+            pattern = int(d.get("sliding_window_pattern", 6))
+            types = d.get("layer_types") or [
+                SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)
+            ]
+            cfg.update(
+                layer_types=list(types),
+                sliding_window=d.get("sliding_window", 4096),
+                query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                final_logit_softcapping=d.get("final_logit_softcapping"),
+            )
+            if d.get("attn_logit_softcapping"):
+                raise MespError(f"{source}: attn_logit_softcapping (Gemma 2) is not supported")
+        cfg["rope"] = _rope_from_hf(d, family)
+        return cls(**cfg)
+
+    @classmethod
+    def from_file(cls, path: Path) -> ModelConfig:
+        if not path.exists():
+            raise MespError(f"{path}: missing config.json")
+        try:
+            d = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MespError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise MespError(f"{path}: expected a JSON object")
+        return cls.from_hf(d, source=str(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """An HF-style config.json dict (new-style rope_parameters plus legacy keys)."""
+        mt = {"gemma3": "gemma3_text"}.get(self.family, self.family)
+        d = {k: v for k, v in asdict(self).items() if k not in ("family", "rope")}
+        d["model_type"] = mt
+
+        def rp(r: RopeSpec) -> dict[str, Any]:
+            out: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
+            if r.kind != "default":
+                out["factor"] = r.factor
+            if r.kind == "llama3":
+                out.update(
+                    low_freq_factor=r.low_freq_factor,
+                    high_freq_factor=r.high_freq_factor,
+                    original_max_position_embeddings=r.original_max_position_embeddings,
+                )
+            return out
+
+        if self.family == "gemma3":
+            d["rope_parameters"] = {k: rp(v) for k, v in self.rope.items()}
+            d["rope_theta"] = self.rope[FULL].theta
+            d["rope_local_base_freq"] = self.rope[SLIDING].theta
+        else:
+            d["rope_parameters"] = rp(self.rope[FULL])
+            d["rope_theta"] = self.rope[FULL].theta
+        return d
+
+
+def _rope_spec(p: dict[str, Any] | None, theta: float) -> RopeSpec:
+    p = p or {}
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise MespError(f"rope type {kind!r} is not supported (default, linear, llama3)")
+    return RopeSpec(
+        theta=float(p.get("rope_theta", theta)),
+        kind=kind,
+        factor=float(p.get("factor", 1.0)),
+        low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(p.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rope_from_hf(d: dict[str, Any], family: str) -> dict[str, RopeSpec]:
+    """Accept both the legacy keys (rope_theta, rope_scaling, rope_local_base_freq) and
+    transformers 5's rope_parameters (nested per layer type for Gemma3)."""
+    params = d.get("rope_parameters") or d.get("rope_scaling")
+    theta = float(d.get("rope_theta", 1_000_000.0 if family == "gemma3" else 10_000.0))
+    if family != "gemma3":
+        return {FULL: _rope_spec(params, theta)}
+    if params and FULL in params:
+        local = params.get(SLIDING) or {}
+        return {
+            FULL: _rope_spec(params[FULL], theta),
+            SLIDING: _rope_spec(local, float(d.get("rope_local_base_freq", 10_000.0))),
+        }
+    local_theta = float(d.get("rope_local_base_freq", 10_000.0))
+    return {FULL: _rope_spec(params, theta), SLIDING: RopeSpec(theta=local_theta)}

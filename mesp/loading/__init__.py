@@ -1,0 +1,74 @@
+"""Load a model from an HF safetensors dir, an MLX quantized dir, or a GGUF file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mesp.config import ModelConfig
+from mesp.errors import MespError
+from mesp.loading.build import TensorSource, build_model
+from mesp.models.transformer import CausalLM
+from mesp.quant import QuantSpec
+from mesp.tokenizer import Tokenizer
+
+
+@dataclass
+class Loaded:
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    source: str
+    fmt: str  # "hf" | "mlx" | "gguf" | "random"
+
+
+def load_model(
+    path: str | Path,
+    quant: QuantSpec | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Loaded:
+    """`quant` requantizes full-precision weights on load; MLX checkpoints stay as packed."""
+    p = Path(path)
+    if not p.exists():
+        raise MespError(f"{p}: no such file or directory")
+    if p.is_file() and p.suffix == ".gguf":
+        from mesp.loading.gguf import read_gguf
+
+        hf, tensors, tok = read_gguf(p)
+        cfg = ModelConfig.from_hf(hf, source=str(p))
+        src = TensorSource(tensors.keys(), tensors.pop, str(p))  # pop: free each once used
+        return Loaded(build_model(cfg, src, dtype, quant), tok, str(p), "gguf")
+    if p.is_dir():
+        from mesp.loading.safetensors_dir import read_safetensors_dir
+
+        cfg, src, _ = read_safetensors_dir(p)
+        model = build_model(cfg, src, dtype, quant)
+        tok = Tokenizer.from_dir(p) if (p / "tokenizer.json").exists() else None
+        return Loaded(model, tok, str(p), "mlx" if src.quant else "hf")
+    raise MespError(
+        f"{p}: expected a model directory (config.json + *.safetensors) or a .gguf file"
+    )
+
+
+def random_model(
+    cfg: ModelConfig,
+    quant: QuantSpec | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    std: float = 0.02,
+) -> CausalLM:
+    """A model of real shapes with random weights (norms at their identity value), built through
+    the same path as a checkpoint, one tensor at a time."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg, dtype).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    offset = 1.0 if cfg.family == "gemma3" else 0.0
+
+    def get(name: str) -> torch.Tensor:
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.full(shape, 1.0 - offset)
+        return torch.randn(shape, generator=g) * std
+
+    return build_model(cfg, TensorSource(shapes.keys(), get, "random"), dtype, quant)

@@ -1,0 +1,111 @@
+"""Turn named tensors (HF names) into a CausalLM: strict, shape-checked, one tensor at a time.
+
+Every loader (HF safetensors, MLX quantized, GGUF, random) ends here, so all produce the same
+in-memory model. The model is built on the meta device first, so no memory is spent on weights
+until each one is read (and, when asked, quantized) individually.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from mesp.config import ModelConfig
+from mesp.errors import MespError
+from mesp.models.linear import FrozenWeight, Linear
+from mesp.models.transformer import CausalLM, RMSNorm
+from mesp.quant import QuantSpec
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class TensorSource:
+    """Named tensors read on demand. `get(name)` returns a tensor; `packed(name)` returns the MLX
+    (weight, scales, biases) triple when the checkpoint stores that weight quantized."""
+
+    def __init__(self, names: Iterable[str], get: Callable[[str], torch.Tensor], source: str):
+        self.names, self._get, self.source = set(names), get, source
+        self.quant: QuantSpec | None = None  # set by MLX checkpoints
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+
+def _expected(model: CausalLM) -> dict[str, tuple[int, ...]]:
+    """HF names of every frozen tensor the model needs, with its dense shape."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, FrozenWeight):
+            out[f"{name}.weight"] = (mod.out_features, mod.in_features)
+        if isinstance(mod, Linear) and mod.bias is not None:
+            out[f"{name}.bias"] = (mod.out_features,)
+        if isinstance(mod, RMSNorm):
+            out[f"{name}.weight"] = tuple(mod.weight.shape)
+    return out
+
+
+def build_model(
+    cfg: ModelConfig,
+    src: TensorSource,
+    dtype: torch.dtype = torch.float32,
+    quant: QuantSpec | None = None,
+) -> CausalLM:
+    """Strict load: every expected tensor present with the config's shape, nothing unexplained."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, dtype)
+    expected = _expected(model)
+    names = {n for n in src.names if not n.endswith(IGNORED_SUFFIXES)}
+    packed = {n[: -len(".scales")] + ".weight" for n in names if n.endswith(".scales")}
+    if cfg.tie_word_embeddings:
+        names.discard("lm_head.weight")  # some tied checkpoints still carry a copy
+        names -= {"lm_head.scales", "lm_head.biases"}
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise MespError(f"{src.source}: missing tensor {missing[0]} ({len(missing)} missing)")
+    extra = sorted(
+        names
+        - set(expected)
+        - {
+            n
+            for n in names
+            if n.endswith((".scales", ".biases")) and n.rsplit(".", 1)[0] + ".weight" in packed
+        }
+    )
+    if extra:
+        raise MespError(
+            f"{src.source}: unexpected tensor {extra[0]} (config does not match weights?)"
+        )
+    modules = dict(model.named_modules())
+    for name, shape in expected.items():
+        mod_name, attr = name.rsplit(".", 1)
+        mod = modules[mod_name]
+        if name in packed:
+            spec = src.quant or QuantSpec()
+            wq, s, b = (src.get(f"{mod_name}.{k}") for k in ("weight", "scales", "biases"))
+            want = (shape[0], shape[1] * spec.bits // 32)
+            if tuple(wq.shape) != want or s.shape != (shape[0], shape[1] // spec.group_size):
+                raise MespError(
+                    f"{src.source}: {name} has packed shape {tuple(wq.shape)}, "
+                    f"config expects {want}"
+                )
+            mod.set_packed(_as_int32(wq), s.to(dtype), b.to(dtype), spec)
+            continue
+        t = src.get(name)
+        if tuple(t.shape) != shape:
+            raise MespError(
+                f"{src.source}: tensor {name} has shape {tuple(t.shape)}, config expects {shape}"
+            )
+        if isinstance(mod, FrozenWeight) and attr == "weight":
+            mod.set_dense(t.to(dtype), quant)
+        else:
+            setattr(mod, attr, t.to(dtype).contiguous())
+    left = [n for n, t in model.state_dict().items() if t.is_meta]
+    if left:
+        raise MespError(f"{src.source}: tensor {left[0]} was never loaded")
+    return model
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    """MLX stores packed words as uint32; we keep the same bits as int32 (shifts work on it)."""
+    return t if t.dtype == torch.int32 else t.view(torch.int32)

@@ -1,0 +1,6 @@
+"""Model families: one decoder (`transformer.py`) and one small spec per family."""
+
+from mesp.models import gemma3, llama, qwen2, qwen3
+from mesp.models.spec import FamilySpec
+
+FAMILIES: dict[str, FamilySpec] = {m.SPEC.name: m.SPEC for m in (llama, qwen2, qwen3, gemma3)}

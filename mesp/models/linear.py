@@ -1,0 +1,135 @@
+"""Frozen base weights (dense or MLX-quantized) and the LoRA linear built on them.
+
+A quantized base is dequantized on the fly: one weight at a time, used, dropped. The base matmul
+goes through `_FrozenMatmul`, which saves nothing for backward (the base is frozen, so no weight
+gradient is needed, and the weight is re-dequantized from the packed buffers when dx is needed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mesp.quant import QuantSpec, dequantize, dequantize_gather, dequantize_rows, quantize
+
+
+class FrozenWeight(nn.Module):
+    """A frozen (out, in) matrix stored dense or as MLX-layout packed words + scales + biases.
+
+    Buffers use MLX's names (`weight`, `scales`, `biases`) so state dicts match MLX checkpoints.
+    """
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.quant: QuantSpec | None = None
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=dtype))
+        self.register_buffer("scales", None)
+        self.register_buffer("biases", None)
+
+    def set_dense(self, w: Tensor, quant: QuantSpec | None = None) -> None:
+        """Store w (out, in); quantize it first when `quant` is given."""
+        if quant is None:
+            self.quant, self.scales, self.biases = None, None, None
+            self.weight = w.contiguous()
+            return
+        self.set_packed(*quantize(w, quant), quant)
+
+    def set_packed(self, wq: Tensor, scales: Tensor, biases: Tensor, quant: QuantSpec) -> None:
+        self.quant = quant
+        self.weight = wq.contiguous()
+        self.scales = scales.contiguous()
+        self.biases = biases.contiguous()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype if self.scales is not None else self.weight.dtype
+
+    def dense(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The (out, in) weight in `dtype`; a fresh temporary when quantized."""
+        if self.quant is None:
+            return self.weight if dtype is None else self.weight.to(dtype)
+        return dequantize(self.weight, self.scales, self.biases, self.quant, dtype)
+
+    def rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> Tensor:
+        """Rows start:stop, e.g. a vocabulary slice of an embedding used as the LM head."""
+        if self.quant is None:
+            return self.weight[start:stop]
+        return dequantize_rows(
+            self.weight, self.scales, self.biases, self.quant, start, stop, dtype
+        )
+
+    def gather(self, ids: Tensor) -> Tensor:
+        """Rows at ids (embedding lookup): ids.shape + (in,)."""
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        return dequantize_gather(self.weight, self.scales, self.biases, self.quant, ids)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """y = x Wᵀ with W frozen. Backward: dx = dy W, W re-materialised from the packed base."""
+
+    @staticmethod
+    def forward(x: Tensor, fw: FrozenWeight) -> Tensor:  # type: ignore[override]
+        return F.linear(x, fw.dense(x.dtype))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+        ctx.fw = inputs[1]
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return dy @ ctx.fw.dense(dy.dtype), None
+
+
+def frozen_matmul(x: Tensor, fw: FrozenWeight) -> Tensor:
+    """x (..., in) -> (..., out). Autograd keeps no activation and no dequantized weight."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _FrozenMatmul.apply(x, fw)
+    return F.linear(x, fw.dense(x.dtype))
+
+
+class Linear(FrozenWeight):
+    """y = x Wᵀ + b + s·(x Aᵀ) Bᵀ. W, b frozen buffers; A (r, in), B (out, r) the only parameters.
+
+    Subclassing FrozenWeight keeps HF/MLX state-dict names: `q_proj.weight`, `q_proj.scales`, …
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(out_features, in_features, dtype)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+        self.register_parameter("lora_A", None)
+        self.register_parameter("lora_B", None)
+        self.lora_scale = 0.0
+
+    def add_lora(
+        self, rank: int, scale: float, dtype: torch.dtype, generator: torch.Generator | None = None
+    ) -> None:
+        """A: Kaiming-uniform (a=√5, as nn.Linear and PEFT), B: zeros: the adapter starts at 0."""
+        a = torch.empty(rank, self.in_features, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) bound on fan_in
+        a.uniform_(-bound, bound, generator=generator)
+        self.lora_A = nn.Parameter(a.to(dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype))
+        self.lora_scale = float(scale)
+
+    def remove_lora(self) -> None:
+        self.lora_A, self.lora_B, self.lora_scale = None, None, 0.0
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.lora_A is None else self.lora_A.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = frozen_matmul(x, self)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.lora_A is not None:
+            y = y + self.lora_scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return y

@@ -1,0 +1,227 @@
+"""The decoder, written once for every family; family differences are FamilySpec flags.
+
+HF attribute names throughout (`model.layers.0.self_attn.q_proj`, `input_layernorm`, …) so that
+HF, MLX and PEFT state dicts map one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from mesp.config import SLIDING, ModelConfig
+from mesp.models import FAMILIES
+from mesp.models.linear import FrozenWeight, Linear, frozen_matmul
+from mesp.models.spec import FamilySpec
+from mesp.ops.attention import attention, sliding_mask
+from mesp.ops.mlp import gated_act
+from mesp.ops.norm import rms_norm
+from mesp.ops.rope import apply_rope, rope_tables
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class SeqContext:
+    """Per-forward tables shared by all blocks, keyed by layer type."""
+
+    cos: dict[str, Tensor]
+    sin: dict[str, Tensor]
+    mask: dict[str, Tensor | None]
+    start: int = 0  # position of the first token (KV-cache decoding)
+
+
+@dataclass
+class KVCache:
+    """Keys/values per layer for generation: (B, KV, T, D) each."""
+
+    k: list[Tensor | None] = field(default_factory=list)
+    v: list[Tensor | None] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        init = torch.zeros(dim, dtype=dtype) if offset else torch.ones(dim, dtype=dtype)
+        self.register_buffer("weight", init)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: FamilySpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, kv, d, hid = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+        )
+        self.n_heads, self.n_kv, self.head_dim, self.scale = h, kv, d, cfg.attn_scale
+        bias = cfg.attention_bias
+        self.q_proj = Linear(hid, h * d, bias, dtype)
+        self.k_proj = Linear(hid, kv * d, bias, dtype)
+        self.v_proj = Linear(hid, kv * d, bias, dtype)
+        self.o_proj = Linear(h * d, hid, False, dtype)
+        self.q_norm = (
+            RMSNorm(d, cfg.rms_norm_eps, spec.norm_offset, dtype) if spec.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(d, cfg.rms_norm_eps, spec.norm_offset, dtype) if spec.qk_norm else None
+        )
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, S, hidden) -> q (B, H, S, D), k/v (B, KV, S, D), normed and rotated."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        cache: tuple[KVCache, int] | None = None,
+        window: int | None = None,
+    ) -> Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        causal = True
+        if cache is not None:
+            kv, i = cache
+            if kv.k[i] is not None:
+                k, v = torch.cat([kv.k[i], k], dim=2), torch.cat([kv.v[i], v], dim=2)
+                causal = False  # decoding one token at a time: it sees every cached key
+            if window is not None:  # sliding layers never need more than the window
+                k, v = k[:, :, -window:], v[:, :, -window:]
+            kv.k[i], kv.v[i] = k, v
+        o = attention(q, k, v, self.scale, mask, causal=causal)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: FamilySpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        hid, inter = cfg.hidden_size, cfg.intermediate_size
+        self.act = spec.activation
+        self.gate_proj = Linear(hid, inter, False, dtype)
+        self.up_proj = Linear(hid, inter, False, dtype)
+        self.down_proj = Linear(inter, hid, False, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: FamilySpec, idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.idx, self.layer_type = idx, cfg.layer_types[idx]
+        self.window = cfg.sliding_window if self.layer_type == SLIDING else None
+        eps, off = cfg.rms_norm_eps, spec.norm_offset
+        self.self_attn = Attention(cfg, spec, dtype)
+        self.mlp = MLP(cfg, spec, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
+        # Llama/Qwen: the pre-MLP norm. Gemma3: the norm on the attention output.
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
+        self.sandwich = spec.sandwich_norms
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
+
+    def forward(self, x: Tensor, ctx: SeqContext, cache: KVCache | None = None) -> Tensor:
+        """x (B, S, hidden) -> (B, S, hidden)."""
+        t = self.layer_type
+        c = None if cache is None else (cache, self.idx)
+        a = self.self_attn(
+            self.input_layernorm(x), ctx.cos[t], ctx.sin[t], ctx.mask[t], c, self.window
+        )
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: FamilySpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = FrozenWeight(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, spec, i, dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset, dtype)
+
+
+class CausalLM(nn.Module):
+    """Embedding -> blocks -> final norm -> head. `forward` is used by bp; the block-wise
+    engines call `embed`, each block, and `head_weight` themselves."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.spec, self.dtype = cfg, FAMILIES[cfg.family], dtype
+        self.model = Decoder(cfg, self.spec, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else FrozenWeight(cfg.vocab_size, cfg.hidden_size, dtype)
+        )
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def head_weight(self) -> FrozenWeight:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
+    def context(self, seq_len: int, device: torch.device, start: int = 0) -> SeqContext:
+        cfg = self.config
+        cos, sin, mask = {}, {}, {}
+        for t in set(cfg.layer_types):
+            c, s = rope_tables(cfg.rope[t], cfg.head_dim, start + seq_len, device, self.dtype)
+            cos[t], sin[t] = c[start:], s[start:]
+            win = cfg.sliding_window if t == SLIDING else None
+            mask[t] = sliding_mask(seq_len, win, device) if start == 0 else None
+        return SeqContext(cos, sin, mask, start)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids (B, S) -> (B, S, hidden) in the compute dtype."""
+        h = self.model.embed_tokens.gather(ids).to(self.dtype)
+        if self.spec.embed_scale:  # Gemma: × √hidden, rounded to the compute dtype as HF does
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=self.dtype)
+        return h
+
+    def final_norm(self, h: Tensor) -> Tensor:
+        return self.model.norm(h)
+
+    def logits(self, h_normed: Tensor) -> Tensor:
+        """Full logits from final-normed hidden states (B, S, hidden) -> (B, S, V)."""
+        z = frozen_matmul(h_normed, self.head_weight())
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(z / cap) * cap if cap else z
+
+    def hidden(self, ids: Tensor, cache: KVCache | None = None, start: int = 0) -> Tensor:
+        """Final-normed hidden states (B, S, hidden)."""
+        ctx = self.context(ids.shape[1], ids.device, start)
+        h = self.embed(ids)
+        for block in self.layers:
+            h = block(h, ctx, cache)
+        return self.final_norm(h)
+
+    def forward(self, ids: Tensor, cache: KVCache | None = None, start: int = 0) -> Tensor:
+        return self.logits(self.hidden(ids, cache, start))
+
+    def lora_modules(self) -> dict[str, Linear]:
+        """Name -> Linear for every linear that carries an adapter."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, Linear) and m.rank}
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

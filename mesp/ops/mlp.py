@@ -1,0 +1,39 @@
+"""Gated MLP activations: SwiGLU (Llama, Qwen) and tanh-GeGLU (Gemma3), forward and backward."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def gated_act(gate: Tensor, up: Tensor, act: str) -> Tensor:
+    """m = act(gate) · up; gate/up (..., F)."""
+    if act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_act_backward(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    """d gate = dm · up · act'(gate), d up = dm · act(gate). Shapes (..., F); math in float32.
+    silu'(g) = σ(g)(1 + g(1 − σ(g))).
+    gelu_tanh(g) = ½g(1 + tanh u), u = √(2/π)(g + 0.044715g³):
+      gelu' = ½(1 + tanh u) + ½g(1 − tanh²u)·√(2/π)(1 + 3·0.044715g²)."""
+    g = gate.float()
+    if act == "silu":
+        s = torch.sigmoid(g)
+        a = g * s
+        da = s * (1 + g * (1 - s))
+    else:
+        c = math.sqrt(2.0 / math.pi)
+        t = torch.tanh(c * (g + 0.044715 * g * g * g))
+        a = 0.5 * g * (1 + t)
+        da = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
+    dm32 = dm.float()
+    d_up = (dm32 * a).to(up.dtype)
+    d_gate = (dm32 * up.float() * da).to(gate.dtype)
+    return d_gate, d_up
