@@ -1,0 +1,178 @@
+"""Examples, packing and batching: the tensor side of the data pipeline.
+
+An `Example` is a token sequence plus a per-token 0/1 mask; mask[i] = 1 means token i is a
+trained *target* (predicted from tokens < i), so mask[0] is always 0. A batch shifts by one:
+inputs = ids[:-1], targets = ids[1:], and the loss mask is mask[1:].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mesp.errors import MespError
+
+
+@dataclass
+class Example:
+    """One training row: `ids` (token ids) and `mask` (1 = token is a trained target)."""
+
+    ids: list[int]
+    mask: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.ids) != len(self.mask):
+            raise ValueError(f"Example: {len(self.ids)} ids but {len(self.mask)} mask entries")
+
+    @property
+    def n_targets(self) -> int:
+        """Trained tokens; position 0 never counts since nothing predicts it."""
+        return sum(self.mask[1:])
+
+
+@dataclass
+class Batch:
+    """Right-padded (B, S) tensors; S is the longest row in this batch minus one.
+
+    `mask` is authoritative: padded positions hold the pad id in both `input_ids` and
+    `targets` and are False in `mask`.
+    """
+
+    input_ids: torch.Tensor  # LongTensor (B, S)
+    targets: torch.Tensor  # LongTensor (B, S)
+    mask: torch.Tensor  # BoolTensor (B, S)
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of trained target tokens, for per-token loss averaging and throughput."""
+        return int(self.mask.sum().item())
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.input_ids.to(device), self.targets.to(device), self.mask.to(device))
+
+
+def collate(examples: Sequence[Example], pad_id: int = 0) -> Batch:
+    """Stack examples into one right-padded batch, shifted for next-token prediction."""
+    if not examples:
+        raise MespError("cannot build a batch from no examples")
+    width = max(max(len(e.ids) - 1 for e in examples), 1)
+    n = len(examples)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    targets = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    for r, e in enumerate(examples):
+        k = len(e.ids) - 1
+        if k <= 0:
+            continue
+        input_ids[r, :k] = torch.tensor(e.ids[:-1], dtype=torch.long)
+        targets[r, :k] = torch.tensor(e.ids[1:], dtype=torch.long)
+        mask[r, :k] = torch.tensor(e.mask[1:], dtype=torch.bool)
+    return Batch(input_ids, targets, mask)
+
+
+def chunk_examples(examples: Sequence[Example], seq_len: int) -> list[Example]:
+    """Concatenate examples and cut the stream into rows of seq_len + 1 tokens.
+
+    Consecutive rows overlap by one token (row k's last token is row k+1's first input), so
+    every token of the stream is a target in exactly one row. This is packing: attention is
+    not reset at example boundaries (examples are separated only by their EOS), as with
+    mlx-lm or HF packing without position resets. Rows with no trained target are dropped.
+    """
+    if seq_len < 1:
+        raise MespError(f"--seq-len must be at least 1, got {seq_len}")
+    ids: list[int] = []
+    mask: list[int] = []
+    for e in examples:
+        ids.extend(e.ids)
+        mask.extend(e.mask)
+    rows: list[Example] = []
+    start = 0
+    while start + 1 < len(ids):
+        end = min(start + seq_len + 1, len(ids))
+        row = Example(ids[start:end], [0, *mask[start + 1 : end]])
+        if row.n_targets:
+            rows.append(row)
+        start += seq_len
+    return rows
+
+
+class BatchStream:
+    """An endless, deterministic, resumable stream of shuffled training batches.
+
+    Epoch e visits the examples in the order torch.randperm(n, Generator(seed + e)), in
+    consecutive batches of `batch_size` (the last batch of an epoch may be smaller). The
+    position is two integers, so a checkpointed run resumes onto exactly the same batches.
+    """
+
+    def __init__(
+        self, examples: Sequence[Example], batch_size: int, seed: int = 0, pad_id: int = 0
+    ) -> None:
+        if not examples:
+            raise MespError("no training examples to batch")
+        if batch_size < 1:
+            raise MespError(f"--batch-size must be at least 1, got {batch_size}")
+        self.examples = list(examples)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.pad_id = pad_id
+        self.epoch = 0
+        self.index = 0  # examples of the current epoch's permutation already served
+        self._perm: list[int] | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-len(self.examples) // self.batch_size)
+
+    def _permutation(self) -> list[int]:
+        if self._perm is None:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._perm = torch.randperm(len(self.examples), generator=g).tolist()
+        return self._perm
+
+    def next(self) -> Batch:
+        """The next batch; rolls over to a fresh permutation at each epoch end."""
+        if self.index >= len(self.examples):
+            self.epoch += 1
+            self.index = 0
+            self._perm = None
+        perm = self._permutation()
+        picked = perm[self.index : self.index + self.batch_size]
+        self.index += len(picked)
+        return collate([self.examples[i] for i in picked], self.pad_id)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next()
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-serializable position, for checkpoints."""
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position saved by `state_dict` (same examples, batch size and seed)."""
+        epoch, index = state.get("epoch"), state.get("index")
+        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, index))
+        if not ok:
+            raise MespError(f"bad data stream state {state!r}: need non-negative 'epoch', 'index'")
+        assert isinstance(epoch, int) and isinstance(index, int)
+        if index > len(self.examples):
+            raise MespError(
+                f"data stream state has index {index} but the training set has only "
+                f"{len(self.examples)} examples; was the data changed since the checkpoint?"
+            )
+        self.epoch, self.index, self._perm = epoch, index, None
+
+
+def iter_eval_batches(
+    examples: Sequence[Example], batch_size: int, pad_id: int = 0
+) -> Iterator[Batch]:
+    """Batches in the given order, once through, so evaluation numbers are comparable."""
+    if batch_size < 1:
+        raise MespError(f"--batch-size must be at least 1, got {batch_size}")
+    for i in range(0, len(examples), batch_size):
+        yield collate(examples[i : i + batch_size], pad_id)
