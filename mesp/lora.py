@@ -112,8 +112,8 @@ def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
         os.close(dfd)
 
 
-def save_adapter(model: CausalLM, out_dir: Path, cfg: LoraConfig, base_name: str = "") -> Path:
-    """Write adapter_model.safetensors + adapter_config.json (PEFT format), atomically."""
+def check_output_dir(out_dir: Path) -> None:
+    """Create out_dir or fail in one line now, before hours of training, not after."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -122,6 +122,11 @@ def save_adapter(model: CausalLM, out_dir: Path, cfg: LoraConfig, base_name: str
         raise MespError(f"{out_dir}: cannot create directory (permission denied)") from None
     if not os.access(out_dir, os.W_OK):
         raise MespError(f"{out_dir}: directory is not writable")
+
+
+def save_adapter(model: CausalLM, out_dir: Path, cfg: LoraConfig, base_name: str = "") -> Path:
+    """Write adapter_model.safetensors + adapter_config.json (PEFT format), atomically."""
+    check_output_dir(out_dir)
     tensors = {k: v.contiguous() for k, v in adapter_state(model).items()}
     targets = sorted({k.split(".")[-3] for k in tensors})
     conf = {

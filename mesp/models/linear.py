@@ -7,6 +7,7 @@ gradient is needed, and the weight is re-dequantized from the packed buffers whe
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mesp.quant import QuantSpec, dequantize, dequantize_gather, dequantize_rows, quantize
+
+log = logging.getLogger("mesp")
 
 
 class FrozenWeight(nn.Module):
@@ -31,7 +34,16 @@ class FrozenWeight(nn.Module):
         self.register_buffer("biases", None)
 
     def set_dense(self, w: Tensor, quant: QuantSpec | None = None) -> None:
-        """Store w (out, in); quantize it first when `quant` is given."""
+        """Store w (out, in); quantize it first when `quant` is given and the input size splits
+        into whole groups (MLX's layout needs that; such a weight stays dense, with a warning)."""
+        if quant is not None and w.shape[1] % quant.group_size:
+            log.warning(
+                "kept a %s weight dense: %d inputs are not a multiple of group size %d",
+                tuple(w.shape),
+                w.shape[1],
+                quant.group_size,
+            )
+            quant = None
         if quant is None:
             self.quant, self.scales, self.biases = None, None, None
             self.weight = w.contiguous()

@@ -15,12 +15,15 @@ from mesp.config import SLIDING, ModelConfig
 from mesp.models import FAMILIES
 from mesp.models.linear import FrozenWeight, Linear, frozen_matmul
 from mesp.models.spec import FamilySpec
-from mesp.ops.attention import attention, sliding_mask
+from mesp.ops.attention import attention, attention_fwd, sliding_mask
 from mesp.ops.mlp import gated_act
 from mesp.ops.norm import rms_norm
 from mesp.ops.rope import apply_rope, rope_tables
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+Tape = dict[str, Tensor]  # name -> tensor kept for the structured backward
 
 
 @dataclass
@@ -74,13 +77,17 @@ class Attention(nn.Module):
             RMSNorm(d, cfg.rms_norm_eps, spec.norm_offset, dtype) if spec.qk_norm else None
         )
 
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(
+        self, x: Tensor, cos: Tensor, sin: Tensor, tape: Tape | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, S, hidden) -> q (B, H, S, D), k/v (B, KV, S, D), normed and rotated."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
+            if tape is not None:  # the q/k norm backward needs its input
+                tape["q_lin"], tape["k_lin"] = q, k
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -92,19 +99,24 @@ class Attention(nn.Module):
         mask: Tensor | None,
         cache: tuple[KVCache, int] | None = None,
         window: int | None = None,
+        tape: Tape | None = None,
     ) -> Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin, tape)
         causal = True
-        if cache is not None:
-            kv, i = cache
-            if kv.k[i] is not None:
-                k, v = torch.cat([kv.k[i], k], dim=2), torch.cat([kv.v[i], v], dim=2)
-                causal = False  # decoding one token at a time: it sees every cached key
-            if window is not None:  # sliding layers never need more than the window
-                k, v = k[:, :, -window:], v[:, :, -window:]
-            kv.k[i], kv.v[i] = k, v
-        o = attention(q, k, v, self.scale, mask, causal=causal)
+        if tape is not None:  # structured recompute: the flash backward needs out and lse
+            o, tape["lse"] = attention_fwd(q, k, v, self.scale, mask)
+            tape.update(q=q, k=k, v=v, o=o)
+        else:
+            if cache is not None:
+                kv, i = cache
+                if kv.k[i] is not None:
+                    k, v = torch.cat([kv.k[i], k], dim=2), torch.cat([kv.v[i], v], dim=2)
+                    causal = False  # decoding one token at a time: it sees every cached key
+                if window is not None:  # sliding layers never need more than the window
+                    k, v = k[:, :, -window:], v[:, :, -window:]
+                kv.k[i], kv.v[i] = k, v
+            o = attention(q, k, v, self.scale, mask, causal=causal)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -117,8 +129,11 @@ class MLP(nn.Module):
         self.up_proj = Linear(hid, inter, False, dtype)
         self.down_proj = Linear(inter, hid, False, dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act))
+    def forward(self, x: Tensor, tape: Tape | None = None) -> Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if tape is not None:  # act(gate)·up is recomputed in backward; gate and up are kept
+            tape["gate"], tape["up"] = gate, up
+        return self.down_proj(gated_act(gate, up, self.act))
 
 
 class Block(nn.Module):
@@ -137,18 +152,30 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
 
-    def forward(self, x: Tensor, ctx: SeqContext, cache: KVCache | None = None) -> Tensor:
-        """x (B, S, hidden) -> (B, S, hidden)."""
+    def forward(
+        self, x: Tensor, ctx: SeqContext, cache: KVCache | None = None, tape: Tape | None = None
+    ) -> Tensor:
+        """x (B, S, hidden) -> (B, S, hidden). With a `tape`, also records what the structured
+        (hand) backward needs: the inputs of every LoRA linear, norm and nonlinearity."""
         t = self.layer_type
         c = None if cache is None else (cache, self.idx)
-        a = self.self_attn(
-            self.input_layernorm(x), ctx.cos[t], ctx.sin[t], ctx.mask[t], c, self.window
-        )
+        n1 = self.input_layernorm(x)
+        a = self.self_attn(n1, ctx.cos[t], ctx.sin[t], ctx.mask[t], c, self.window, tape)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(a)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x2 = x + self.post_attention_layernorm(a)
+            n2 = self.pre_feedforward_layernorm(x2)
+            d = self.mlp(n2, tape)
+            y = x2 + self.post_feedforward_layernorm(d)
+        else:
+            x2 = x + a
+            n2 = self.post_attention_layernorm(x2)
+            d = self.mlp(n2, tape)
+            y = x2 + d
+        if tape is not None:
+            tape.update(n1=n1, x2=x2, n2=n2)
+            if self.sandwich:  # the post-norms' backward needs their inputs
+                tape.update(a=a, d=d)
+        return y
 
 
 class Decoder(nn.Module):

@@ -1,13 +1,24 @@
-"""Causal (optionally sliding-window) GQA attention through PyTorch's fused SDPA.
+"""Causal (optionally sliding-window) GQA attention: the autograd path, and a forward/backward pair
+for hand-written engines that keeps only (out, lse) and never holds a full (S, S) score matrix.
 
-On CPU this dispatches to the flash kernel, which never materialises the (S, S) score matrix.
+CPU: PyTorch's flash kernels (`_scaled_dot_product_flash_attention_for_cpu[_backward]`). As of
+torch 2.13 they take any (B, H, S, D) strides (e.g. a (B, S, H, D) buffer viewed transposed),
+return `out` with q's layout and lse (B, H, S) stored S-major, handle GQA natively (query head h
+reads kv head h // (H/KV)), accept fp64/fp32/bf16/fp16 (lse fp32, fp64 for fp64) and a *float*
+additive mask (bool is rejected). `is_causal` is top-left aligned, as in `F.sdpa`. A masked call
+does not skip fully masked blocks, so a sliding window costs as much as full attention.
+Elsewhere (CUDA, MPS, or a torch without the op): an exact query-chunked fallback.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+_OPS = torch.ops.aten
 
 
 def sliding_mask(seq_len: int, window: int | None, device: torch.device) -> Tensor | None:
@@ -30,3 +41,185 @@ def attention(
             q, k, v, is_causal=causal and q.shape[2] > 1, scale=scale, enable_gqa=True
         )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool mask (True = attend) -> 0 / -inf in dtype, the only form the CPU flash kernel takes.
+    Callers running many layers can build it once and pass it instead of the bool mask."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+
+
+@functools.cache
+def _cpu_flash() -> tuple[bool, bool]:
+    """(kernel usable, GQA native), probed once on a tiny problem against an explicit reference,
+    so an older torch that lacks the op or reads k/v with the query head index is caught."""
+    if not hasattr(_OPS, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return False, False
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 3, 4, generator=g) for n in (2, 1, 1))
+    ref = attention(q, k.expand(1, 2, 3, 4), v.expand(1, 2, 3, 4), 0.5, None)
+
+    def run(kk: Tensor, vv: Tensor) -> bool:
+        try:
+            fwd = _OPS._scaled_dot_product_flash_attention_for_cpu
+            out, lse = fwd(q, kk, vv, 0.0, True, scale=0.5)
+            _, dk, _ = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
+                out, q, kk, vv, out, lse, 0.0, True, scale=0.5
+            )
+        except RuntimeError:
+            return False
+        return dk.shape == kk.shape and torch.allclose(out, ref, atol=1e-5)
+
+    if run(k, v):
+        return True, True
+    return run(k.expand(1, 2, 3, 4), v.expand(1, 2, 3, 4)), False
+
+
+def _expand_kv(t: Tensor, heads: int) -> Tensor:
+    """(B, KV, T, D) -> (B, H, T, D), kv head j serving query heads j·g … j·g + g − 1."""
+    b, kv, n, d = t.shape
+    return t.unsqueeze(2).expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
+
+
+def _use_flash(q: Tensor, impl: str) -> bool:
+    if impl not in ("auto", "flash", "chunked"):
+        raise ValueError(f"impl must be 'auto', 'flash' or 'chunked', got {impl!r}")
+    return impl != "chunked" and q.device.type == "cpu" and _cpu_flash()[0]
+
+
+def _flash_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return mask if mask is None or mask.is_floating_point() else additive_mask(mask, dtype)
+
+
+def attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    impl: str = "auto",
+    chunk: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """q (B, H, S, D), k/v (B, KV, S, D) -> out (B, H, S, D) in q.dtype, lse (B, H, S) in fp32
+    (fp64 for fp64 input). Causal when mask is None, else exactly `mask` (bool, True = attend,
+    or additive float), which must leave every query at least one key."""
+    if _use_flash(q, impl):
+        native = _cpu_flash()[1]
+        kx, vx = (k, v) if native else (_expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]))
+        out, lse = _OPS._scaled_dot_product_flash_attention_for_cpu(
+            q, kx, vx, 0.0, mask is None, attn_mask=_flash_mask(mask, q.dtype), scale=scale
+        )
+        return out, lse
+    return _chunked_fwd(q, k, v, scale, mask, chunk)
+
+
+def attention_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    impl: str = "auto",
+    chunk: int = 256,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq (B, H, S, D), dk/dv (B, KV, S, D) (summed over each kv head's query group), given the
+    (out, lse) of `attention_fwd` with the same mask and scale (either impl's: lse layouts differ,
+    but both backward paths read any strides)."""
+    if _use_flash(q, impl):
+        heads, native = q.shape[1], _cpu_flash()[1]
+        kx, vx = (k, v) if native else (_expand_kv(k, heads), _expand_kv(v, heads))
+        fmask = _flash_mask(mask, q.dtype)
+        dq, dk, dv = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, kx, vx, out, lse, 0.0, mask is None, attn_mask=fmask, scale=scale
+        )
+        if not native:
+            dk, dv = (t.unflatten(1, (k.shape[1], -1)).sum(2) for t in (dk, dv))
+        return dq, dk, dv
+    return _chunked_bwd(dout, q, k, v, out, lse, scale, mask, chunk)
+
+
+# ---- exact query-chunked fallback: at most (B, H, chunk, keys) scores at a time ----
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_scores(
+    qc: Tensor, k: Tensor, scale: float, mask: Tensor | None, i0: int, i1: int
+) -> tuple[Tensor, int, int]:
+    """Scaled, masked scores of queries i0:i1 against the keys they can reach, lo:hi.
+    qc (B, KV, g, c, D), k (B, KV, T, D) -> s (B, KV, g, c, hi − lo), plus lo, hi."""
+    n_keys = k.shape[2]
+    if mask is None:  # causal, top-left aligned: query i sees keys 0 … i
+        lo, hi = 0, min(i1, n_keys)
+        allow = torch.arange(i0, i1, device=k.device)[:, None] >= torch.arange(hi, device=k.device)
+    elif mask.dtype == torch.bool:  # only the key span any query in the chunk can see
+        allow = mask[i0:i1]
+        cols = allow.any(0).nonzero()
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 1)
+        allow = allow[:, lo:hi]
+    else:
+        lo, hi, allow = 0, n_keys, None
+    s = torch.matmul(qc, k[:, :, lo:hi].unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    if allow is None:
+        s.add_(mask[i0:i1].to(s.dtype))  # type: ignore[index]
+    else:
+        s.masked_fill_(~allow, -torch.inf)
+    return s, lo, hi
+
+
+def _chunked_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """Per query chunk: s = q kᵀ·scale, lse = logsumexp(s), out = softmax(s) v (exact; every
+    query row's softmax sees all its keys at once, so no online rescaling is needed)."""
+    ct, (b, h, n, _), kv = _compute_dtype(q.dtype), q.shape, k.shape[1]
+    qg, kc, vc = q.to(ct).unflatten(1, (kv, h // kv)), k.to(ct), v.to(ct)
+    out = torch.empty(b, kv, h // kv, n, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, kv, h // kv, n, dtype=ct, device=q.device)
+    for i0 in range(0, n, chunk):
+        i1 = min(i0 + chunk, n)
+        s, lo, hi = _chunk_scores(qg[:, :, :, i0:i1], kc, scale, mask, i0, i1)
+        m = torch.logsumexp(s, -1)
+        lse[..., i0:i1] = m
+        out[..., i0:i1, :] = torch.matmul(s.sub_(m.unsqueeze(-1)).exp_(), vc[:, :, None, lo:hi])
+    return out.view(b, h, n, -1), lse.view(b, h, n)
+
+
+def _chunked_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """With p = exp(s − lse) recomputed per chunk and δ = rowsum(dout ∘ out):
+    dv += pᵀ dout, dp = dout vᵀ, ds = p ∘ (dp − δ), dq = ds k·scale, dk += dsᵀ q·scale.
+    Folding the group axis g into the query rows makes pᵀ dout / dsᵀ q sum over the group."""
+    ct, (b, h, n, d), kv = _compute_dtype(q.dtype), q.shape, k.shape[1]
+    g = h // kv
+    qg, kc, vc = q.to(ct).unflatten(1, (kv, g)), k.to(ct), v.to(ct)
+    dog = dout.to(ct).unflatten(1, (kv, g))
+    delta = (dog * out.to(ct).unflatten(1, (kv, g))).sum(-1)  # (B, KV, g, S)
+    lse_g = lse.to(ct).unflatten(1, (kv, g))
+    dq = torch.empty(b, kv, g, n, d, dtype=q.dtype, device=q.device)
+    dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
+    for i0 in range(0, n, chunk):
+        i1 = min(i0 + chunk, n)
+        qc, doc = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]
+        s, lo, hi = _chunk_scores(qc, kc, scale, mask, i0, i1)
+        p = s.sub_(lse_g[..., i0:i1, None]).exp_()  # (B, KV, g, c, t)
+        dv[:, :, lo:hi] += p.flatten(2, 3).transpose(-1, -2) @ doc.flatten(2, 3)
+        ds = torch.matmul(doc, vc[:, :, None, lo:hi].transpose(-1, -2))
+        ds.sub_(delta[..., i0:i1, None]).mul_(p).mul_(scale)
+        dq[:, :, :, i0:i1] = torch.matmul(ds, kc[:, :, None, lo:hi])
+        dk[:, :, lo:hi] += ds.flatten(2, 3).transpose(-1, -2) @ qc.flatten(2, 3)
+    return dq.view(b, h, n, d), dk.to(k.dtype), dv.to(v.dtype)

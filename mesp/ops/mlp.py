@@ -23,7 +23,7 @@ def gated_act_backward(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[
     silu'(g) = σ(g)(1 + g(1 − σ(g))).
     gelu_tanh(g) = ½g(1 + tanh u), u = √(2/π)(g + 0.044715g³):
       gelu' = ½(1 + tanh u) + ½g(1 − tanh²u)·√(2/π)(1 + 3·0.044715g²)."""
-    g = gate.float()
+    g = gate.to(torch.promote_types(gate.dtype, torch.float32))
     if act == "silu":
         s = torch.sigmoid(g)
         a = g * s
@@ -33,7 +33,7 @@ def gated_act_backward(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[
         t = torch.tanh(c * (g + 0.044715 * g * g * g))
         a = 0.5 * g * (1 + t)
         da = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
-    dm32 = dm.float()
+    dm32 = dm.to(g.dtype)
     d_up = (dm32 * a).to(up.dtype)
-    d_gate = (dm32 * up.float() * da).to(gate.dtype)
+    d_gate = (dm32 * up.to(g.dtype) * da).to(gate.dtype)
     return d_gate, d_up

@@ -1,0 +1,103 @@
+"""`mesp info | train | eval | generate | grad`: thin; flags are dataclass fields."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mesp.cli_args import add_dataclass_args, apply_config_defaults
+from mesp.errors import MespError
+from mesp.session import ModelOptions
+
+
+def _parser() -> argparse.ArgumentParser:
+    from mesp.data import DataConfig
+    from mesp.engines import ENGINES
+    from mesp.lora import LoraConfig
+    from mesp.train import TrainConfig
+
+    p = argparse.ArgumentParser(prog="mesp", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("info", help="architecture, sizes and LoRA parameter count of a model")
+    add_dataclass_args(s, ModelOptions)
+    add_dataclass_args(s, LoraConfig, skip=("scale", "alpha"))
+
+    s = sub.add_parser("train", help="fine-tune LoRA adapters")
+    s.add_argument("--config", help="YAML/TOML file of flag values (flags given here win)")
+    s.add_argument("--engine", default="mesp", choices=ENGINES, help="gradient engine")
+    s.add_argument("--adapter-out", default="adapters", help="directory for the adapter + logs")
+    s.add_argument("--max-memory", default=None, help="memory budget, e.g. 500MB (planner)")
+    s.add_argument(
+        "--data",
+        dest="path",
+        default=None,
+        help=DataConfig.__dataclass_fields__["path"].metadata["help"],
+    )
+    add_dataclass_args(s, ModelOptions)
+    add_dataclass_args(s, DataConfig, skip=("path", "seed"))
+    add_dataclass_args(s, LoraConfig)
+    add_dataclass_args(s, TrainConfig)
+
+    s = sub.add_parser("eval", help="loss / perplexity on a data set")
+    add_dataclass_args(s, ModelOptions)
+    s.add_argument("--adapter", default=None, help="PEFT adapter directory")
+    s.add_argument("--data", dest="path", default=None, help="data (default: Shakespeare valid)")
+    s.add_argument("--seq-len", type=int, default=512)
+    s.add_argument("--batch-size", type=int, default=4)
+    s.add_argument("--max-batches", type=int, default=0, help="0 = all")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+
+    s = sub.add_parser("generate", help="sample text (KV cache)")
+    add_dataclass_args(s, ModelOptions)
+    s.add_argument("--adapter", default=None)
+    s.add_argument("--prompt", required=True)
+    s.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="wrap the prompt in the model's chat template",
+    )
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+
+    s = sub.add_parser("grad", help="LoRA gradients of one batch, under PEFT key names")
+    add_dataclass_args(s, ModelOptions)
+    s.add_argument("--adapter", default=None, help="adapter to differentiate (default: fresh)")
+    s.add_argument("--engine", default="mesp", choices=ENGINES)
+    s.add_argument("--data", dest="path", default=None)
+    s.add_argument("--seq-len", type=int, default=128)
+    s.add_argument("--batch-size", type=int, default=1)
+    s.add_argument("--rank", type=int, default=8)
+    s.add_argument("--out", required=True, help="output .safetensors")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="mesp: warning: %(message)s")
+    try:
+        parser = _parser()
+        if argv and argv[0] == "train":
+            apply_config_defaults(parser._subparsers._group_actions[0].choices["train"], argv[1:])  # type: ignore[union-attr]
+        ns = parser.parse_args(argv)
+        from mesp import commands
+
+        return getattr(commands, f"cmd_{ns.cmd}")(ns)
+    except MespError as e:
+        print(f"mesp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mesp: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"mesp: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

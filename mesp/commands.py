@@ -1,0 +1,178 @@
+"""The body of each CLI command; the same functions the tests call."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mesp.cli_args import from_args
+from mesp.errors import MespError
+from mesp.session import ModelOptions, open_model
+
+
+def _tokenizer(loaded):  # type: ignore[no-untyped-def]
+    if loaded.tokenizer is None:
+        raise MespError(f"{loaded.source}: no tokenizer found (tokenizer.json or GGUF metadata)")
+    return loaded.tokenizer
+
+
+def _check_seq_len(model, seq_len: int) -> None:  # type: ignore[no-untyped-def]
+    mx = model.config.max_position_embeddings
+    if seq_len > mx:
+        raise MespError(f"--seq-len {seq_len} is over the model's maximum of {mx} positions")
+
+
+def cmd_info(ns: argparse.Namespace) -> int:
+    from mesp.info import model_info
+
+    opts = from_args(ModelOptions, ns)
+    print(model_info(opts, rank=ns.rank, targets=ns.targets))
+    return 0
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from mesp.data import DataConfig, load_splits, pad_id_of
+    from mesp.engines import make_engine
+    from mesp.lora import LoraConfig, apply_lora, check_output_dir
+    from mesp.train import TrainConfig, evaluate, train
+
+    opts = from_args(ModelOptions, ns)
+    data_cfg = from_args(DataConfig, ns, seed=ns.seed)
+    data_cfg.validate()
+    lora_cfg = from_args(LoraConfig, ns)
+    train_cfg = from_args(TrainConfig, ns)
+    engine = make_engine(ns.engine)
+    out = Path(ns.adapter_out)
+    check_output_dir(out)
+    loaded = open_model(opts, seed=ns.seed)
+    model, tok = loaded.model, _tokenizer(loaded)
+    _check_seq_len(model, data_cfg.seq_len)
+    splits = load_splits(data_cfg, tok)
+    pad = pad_id_of(tok)
+    n_params = apply_lora(model, lora_cfg, seed=ns.seed)
+    print(
+        f"mesp: {loaded.source} ({model.config.family}, {opts.quantize}-bit base, "
+        f"{opts.dtype}), {n_params:,} LoRA parameters, engine {engine.name}, "
+        f"{len(splits['train'])} train / {len(splits['valid'])} valid rows"
+    )
+    before = evaluate(model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches)
+    res = train(
+        model,
+        engine,
+        splits["train"],
+        splits["valid"],
+        train_cfg,
+        lora_cfg,
+        out,
+        pad_id=pad,
+        base_name=loaded.source,
+    )
+    after = res.valid[-1]
+    summary = {
+        "valid_ppl_before": before["ppl"],
+        "valid_ppl_after": after["ppl"],
+        "peak_rss_mb": (res.peak_rss_bytes or 0) / 2**20,
+        "seconds": res.seconds,
+        "adapter": str(out),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"mesp: valid perplexity {before['ppl']:.2f} -> {after['ppl']:.2f}; "
+        f"peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; adapter in {out}"
+    )
+    return 0
+
+
+def _model_with_adapter(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from mesp.lora import load_adapter
+
+    loaded = open_model(from_args(ModelOptions, ns))
+    if ns.adapter:
+        load_adapter(loaded.model, Path(ns.adapter))
+    return loaded
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from mesp.data import DataConfig, load_splits, pad_id_of
+    from mesp.train import evaluate
+
+    loaded = _model_with_adapter(ns)
+    tok = _tokenizer(loaded)
+    _check_seq_len(loaded.model, ns.seq_len)
+    is_file = ns.path is not None and Path(ns.path).is_file()
+    cfg = DataConfig(path=ns.path, seq_len=ns.seq_len, valid_fraction=0.0 if is_file else 0.05)
+    splits = load_splits(cfg, tok)
+    rows = splits["train"] if is_file else splits["valid"]
+    t0 = time.perf_counter()
+    res = evaluate(loaded.model, rows, ns.batch_size, pad_id_of(tok), ns.max_batches)
+    res["seconds"] = time.perf_counter() - t0
+    if ns.json:
+        print(json.dumps(res))
+    else:
+        print(f"loss {res['loss']:.4f}  perplexity {res['ppl']:.2f}  ({res['tokens']} tokens)")
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from mesp.generate import generate
+
+    loaded = _model_with_adapter(ns)
+    tok = _tokenizer(loaded)
+    text = ns.prompt
+    if ns.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], True)
+    ids = tok.encode(text)
+    out = generate(
+        loaded.model, ids, ns.max_tokens, ns.temperature, ns.top_p, tok.stop_ids, ns.seed
+    )
+    print(tok.decode(out))
+    return 0
+
+
+def cmd_grad(ns: argparse.Namespace) -> int:
+    from mesp.data import DataConfig, load_splits, pad_id_of
+    from mesp.data_batches import collate
+    from mesp.engines import make_engine
+    from mesp.lora import LoraConfig, adapter_state, apply_lora
+
+    out = Path(ns.out)
+    if out.is_dir():
+        raise MespError(f"{out}: is a directory; give a .safetensors file path")
+    engine = make_engine(ns.engine)
+    loaded = _model_with_adapter(ns)
+    model, tok = loaded.model, _tokenizer(loaded)
+    if not ns.adapter:
+        apply_lora(model, LoraConfig(rank=ns.rank))
+    is_file = ns.path is not None and Path(ns.path).is_file()
+    cfg = DataConfig(path=ns.path, seq_len=ns.seq_len, valid_fraction=0.0 if is_file else 0.05)
+    rows = load_splits(cfg, tok)["train"][: ns.batch_size]
+    batch = collate(rows, pad_id_of(tok))
+    loss = engine.step(model, batch, batch.n_tokens)
+    grads = {
+        k: p.grad.contiguous()
+        for k, p in zip(adapter_state(model), _lora_params(model), strict=True)
+    }
+    meta = {
+        "engine": engine.name,
+        "loss": f"{loss / batch.n_tokens:.8f}",
+        "tokens": str(batch.n_tokens),
+    }
+    try:
+        save_file(grads, str(out), metadata=meta)
+    except OSError as e:
+        raise MespError(f"{out}: cannot write ({e.strerror or e})") from None
+    print(f"mesp: wrote {len(grads)} gradients (loss {loss / batch.n_tokens:.4f}) to {out}")
+    return 0
+
+
+def _lora_params(model) -> list[torch.nn.Parameter]:  # type: ignore[no-untyped-def]
+    """A then B for each adapted module, in adapter_state's key order."""
+    out = []
+    for mod in model.lora_modules().values():
+        out += [mod.lora_A, mod.lora_B]
+    return out

@@ -1,0 +1,287 @@
+"""Read a llama.cpp GGUF file into an HF-shaped config, HF-named float32 tensors and a tokenizer.
+
+We parse the header ourselves instead of using `gguf.GGUFReader`: the reader builds a numpy view
+per array element, which takes ~25 s for Gemma 3's 262k-token vocabulary, and it reports
+truncation as assorted numpy errors. Dequantization is left to `gguf.quants.dequantize`.
+
+llama.cpp's converter changes some tensors on the way in; `_undo_converter` reverses that, so the
+result equals what `transformers` loads from the same file (checked in tests/test_real_gguf.py).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quant_shape_to_byte_shape
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from mesp.errors import MespError
+from mesp.loading.gguf_tokenizer import tokenizer_from_gguf
+from mesp.tokenizer import Tokenizer
+
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "gemma3": "Gemma3ForCausalLM"}
+# Q5_0/Q5_1 are here because llama.cpp's Q4_K_M mixes use them (Gemma 3 270M has 81 Q5_0 tensors).
+SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+                   QT.Q4_K, QT.Q5_K, QT.Q6_K}
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+           11: "<q", 12: "<d"}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    **{f"attn_{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkv" for p in ("weight", "bias")},
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **{f"ffn_{x}.weight": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")},
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Gemma 3 has four norms per block; llama.cpp names the pre-MLP one ffn_norm like llama's.
+_GEMMA_LAYER = {**_LAYER, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_attention_norm.weight": "post_attention_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_CORE = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+         "ffn_down", "ffn_norm"]
+_QK_NORM = ["attn_q_norm", "attn_k_norm"]
+_REQUIRED = {"llama": _CORE, "qwen2": _CORE, "qwen3": _CORE + _QK_NORM,
+             "gemma3": _CORE + _QK_NORM + ["post_attention_norm", "post_ffw_norm"]}
+
+
+class _Info(NamedTuple):
+    qtype: QT
+    shape: tuple[int, ...]  # numpy order (ggml's dims reversed), i.e. HF's [out, in]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class _Header:
+    """Sequential little-endian reader over the mapped file; running off the end = truncation."""
+
+    def __init__(self, buf: mmap.mmap, where: str) -> None:
+        self.buf, self.pos, self.where = buf, 0, where
+
+    def take(self, n: int) -> int:
+        if self.pos + n > len(self.buf):
+            raise MespError(f"{self.where}: truncated GGUF file (header runs past the end, "
+                            f"byte {len(self.buf)})")
+        self.pos += n
+        return self.pos - n
+
+    def scalar(self, vtype: int) -> Any:
+        fmt = _SCALAR[vtype]
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        start = self.take(n)
+        return self.buf[start:start + n].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            sub, n = self.scalar(4), self.scalar(10)
+            if sub in _SCALAR:  # numeric arrays (scores, token types) in one numpy read
+                dt = np.dtype(_SCALAR[sub])
+                return np.frombuffer(self.buf, dt, n, self.take(n * dt.itemsize)).tolist()
+            return [self.value(sub) for _ in range(n)]
+        if vtype not in _SCALAR:
+            raise MespError(f"{self.where}: corrupt GGUF file (unknown metadata type {vtype})")
+        return self.scalar(vtype)
+
+
+def _parse(buf: mmap.mmap, where: str) -> tuple[dict[str, Any], dict[str, _Info]]:
+    h = _Header(buf, where)
+    if len(buf) < 4 or buf[:4] != b"GGUF":
+        raise MespError(f"{where}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    h.take(4)
+    version = h.scalar(4)
+    if version & 0xFFFF == 0:
+        raise MespError(f"{where}: big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise MespError(f"{where}: unsupported GGUF version {version} (need 2 or 3)")
+    n_tensors, n_kv = h.scalar(10), h.scalar(10)
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = h.string()
+        meta[key] = h.value(h.scalar(4))
+    raw = []
+    for _ in range(n_tensors):
+        name, ndim = h.string(), h.scalar(4)
+        if ndim > 4:
+            raise MespError(f"{where}: corrupt GGUF file (tensor '{name}' has {ndim} dims)")
+        dims = [h.scalar(10) for _ in range(ndim)]
+        raw.append((name, dims, h.scalar(4), h.scalar(10)))
+    align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise MespError(f"{where}: corrupt GGUF file (general.alignment = {align!r})")
+    data_start = (h.pos + align - 1) // align * align
+    infos: dict[str, _Info] = {}
+    for name, dims, type_id, offset in raw:
+        try:
+            qtype = QT(type_id)
+        except ValueError:
+            raise MespError(f"{where}: tensor '{name}' has unknown ggml type id {type_id}"
+                            ) from None
+        if qtype not in SUPPORTED_TYPES:
+            raise MespError(f"{where}: tensor '{name}' has unsupported quant type {qtype.name} "
+                            f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if not dims or dims[0] % block:
+            raise MespError(f"{where}: corrupt GGUF file (tensor '{name}' dims {dims})")
+        nbytes = math.prod(dims) // block * type_size
+        start = data_start + offset
+        if start + nbytes > len(buf):
+            raise MespError(f"{where}: truncated GGUF file (tensor '{name}' ends at byte "
+                            f"{start + nbytes}, file has {len(buf)})")
+        infos[name] = _Info(qtype, tuple(reversed(dims)), start, nbytes)
+    return meta, infos
+
+
+def _hf_config(meta: dict[str, Any], infos: dict[str, _Info], arch: str, where: str) -> dict:
+    def get(key: str, default: Any = ...) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            if default is ...:
+                raise MespError(f"{where}: missing metadata key '{full}'")
+            return default
+        return meta[full]
+
+    if "token_embd.weight" not in infos:
+        raise MespError(f"{where}: missing tensor 'token_embd.weight'")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    # head_dim: explicit key_length (qwen3, gemma3), else rope dims (llama), else hidden/heads.
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+    cfg: dict[str, Any] = {
+        "model_type": ARCHS[arch], "architectures": [_HF_CLASS[arch]],
+        "vocab_size": infos["token_embd.weight"].shape[0],  # rows the model actually has
+        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 1e6 if arch == "gemma3" else 1e4)),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in infos,
+        "attention_bias": "blk.0.attn_q.bias" in infos,
+        "hidden_act": "silu", "rope_scaling": None,
+    }
+    for key, tok_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        cfg[f"{key}_token_id"] = meta.get(f"tokenizer.ggml.{tok_key}_token_id")
+    kind = get("rope.scaling.type", "none")
+    if kind != "none":
+        cfg["rope_scaling"] = {"rope_type": kind, "factor": float(get("rope.scaling.factor"))}
+        if (orig := get("rope.scaling.original_context_length", None)) is not None:
+            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+    if arch == "gemma3":
+        n = cfg["num_hidden_layers"]
+        pattern = get("attention.sliding_window_pattern", 6)  # llama.cpp's built-in default
+        sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
+                   else [(i + 1) % int(pattern) != 0 for i in range(n)])
+        # llama.cpp: attention scale is 1/sqrt(hidden/heads) for 27B (62 layers), else head_dim.
+        scale = get("attention.scale", None)
+        del cfg["hidden_act"]
+        cfg.update({
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": int(get("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+            "query_pre_attn_scalar": (1.0 / scale**2 if scale else
+                                      hidden // heads if n == 62 else head_dim),
+            "final_logit_softcapping": get("final_logit_softcapping", None),
+            "attn_logit_softcapping": get("attn_logit_softcapping", None),
+        })
+    return cfg
+
+
+def _llama3_rope_scaling(factors: np.ndarray, cfg: dict, where: str) -> dict:
+    """Recover HF's llama3 rope_scaling from llama.cpp's precomputed `rope_freqs` tensor.
+
+    The converter bakes Meta's llama3 formula into per-frequency divisors; we refit Meta's defaults
+    (low 1, high 4, original 8192 -- used by every Llama 3.x) and refuse anything else.
+    """
+    dim = cfg["head_dim"]
+    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen, low, high, orig = 2 * math.pi / inv, 1.0, 4.0, 8192
+    factor = float(factors.max())
+    smooth = np.clip((orig / wavelen - low) / (high - low), 0.0, 1.0)
+    expect = 1.0 / ((1 - smooth) / factor + smooth)
+    if factors.shape != expect.shape or not np.allclose(factors, expect, rtol=1e-4):
+        raise MespError(f"{where}: rope_freqs tensor does not match Llama 3 rope scaling")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": orig}
+
+
+def _undo_converter(name: str, w: np.ndarray, arch: str, cfg: dict, where: str) -> np.ndarray:
+    """Reverse llama.cpp's convert_hf_to_gguf.py edits (see module docstring)."""
+    if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        # LlamaModel.permute interleaves each head's rotary halves for ggml's GPT-J-style rope.
+        n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+        if w.shape[0] % (2 * n):
+            raise MespError(f"{where}: tensor '{name}' has {w.shape[0]} rows, not {n} rope heads")
+        w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        w = w - np.float32(1.0)  # Gemma3Model stores HF's (1 + w) RMSNorm scale; q/k norms too
+    return w
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:
+    """Return (hf_config, float32 HF-named tensors, tokenizer) for a llama.cpp GGUF file."""
+    where = str(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 -- closed below; the map outlives nothing
+    except OSError as e:
+        raise MespError(f"{where}: cannot open: {e.strerror}") from None
+    with f:
+        if Path(path).stat().st_size < 24:
+            raise MespError(f"{where}: not a GGUF file (only {Path(path).stat().st_size} bytes)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        meta, infos = _parse(buf, where)
+        arch = meta.get("general.architecture")
+        if arch not in ARCHS:
+            raise MespError(f"{where}: general.architecture = {arch!r} is not supported "
+                            f"({', '.join(ARCHS)})")
+        cfg = _hf_config(meta, infos, arch, where)
+        tokenizer = tokenizer_from_gguf(meta, where)
+        layer_map = _GEMMA_LAYER if arch == "gemma3" else _LAYER
+        wanted = [f"blk.{i}.{t}.weight" for i in range(cfg["num_hidden_layers"])
+                  for t in _REQUIRED[arch]] + ["output_norm.weight"]
+        wanted += [f"blk.{i}.attn_{x}.bias" for i in range(cfg["num_hidden_layers"])
+                   for x in "qkv" if arch == "qwen2"]
+        if missing := [n for n in wanted if n not in infos]:
+            raise MespError(f"{where}: missing tensor '{missing[0]}' ({len(missing)} missing)")
+        tensors: dict[str, torch.Tensor] = {}
+        for name, info in infos.items():
+            raw = np.frombuffer(buf, np.uint8, info.nbytes, info.start)
+            values = dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)),
+                                info.qtype)
+            if np.may_share_memory(values, raw):  # F32 dequantizes to a view of the map
+                values = values.copy()
+            del raw
+            if name == "rope_freqs.weight" and arch == "llama":
+                cfg["rope_scaling"] = _llama3_rope_scaling(values.astype(np.float64), cfg, where)
+                continue
+            parts = name.split(".", 2)
+            if name in _GLOBAL:
+                hf = _GLOBAL[name]
+            elif parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_map:
+                hf = f"model.layers.{parts[1]}.{layer_map[parts[2]]}"
+            else:
+                raise MespError(f"{where}: unexpected tensor '{name}' for architecture {arch}")
+            values = _undo_converter(name, values, arch, cfg, where)
+            tensors[hf] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return cfg, tensors, tokenizer
+    finally:
+        try:
+            buf.close()
+        except BufferError:  # a numpy view is still alive somewhere; the GC will unmap it
+            pass

@@ -1,0 +1,178 @@
+"""Token cross-entropy through the frozen LM head without ever forming (tokens × vocab) logits.
+
+Only trained (mask=True) rows are touched at all: they are gathered first, then processed in row
+chunks. With `vocab_chunk` the head is also sliced (dequantized one vocabulary slice at a time):
+an online logsumexp pass, then a gradient pass, so neither the whole head nor a (rows × V) block
+exists at once: Gemma3's 262k-row head in bf16 alone is ~0.6 GB per 1k hidden units.
+Log-softmax runs in fp32 (fp64 for fp64 input); logits come from a matmul in h.dtype, as the
+model's own `logits` computes them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mesp.models.linear import FrozenWeight
+
+
+def _logits(hc: Tensor, w: Tensor, cap: float | None, ct: torch.dtype) -> tuple[Tensor, Tensor]:
+    """hc (c, D), w (v, D) -> z (c, v) in ct, capped z = cap·tanh(z/cap) when cap is set, and
+    t = tanh(z/cap) for the derivative (an empty tensor when uncapped)."""
+    z = (hc @ w.t()).to(ct)
+    if not cap:
+        return z, z.new_empty(0)
+    t = z.div_(cap).tanh_()
+    return t * cap, t
+
+
+def _dlogits(z: Tensor, t: Tensor, lse: Tensor, tgt: Tensor | None, norm: float) -> Tensor:
+    """In place on z: (softmax − onehot)/norm, times cap'(z) = 1 − tanh² when capped.
+    tgt (c,) holds each row's target column in this slice, or −1 where it lies elsewhere."""
+    p = z.sub_(lse[:, None]).exp_()
+    if tgt is not None:
+        rows = (tgt >= 0).nonzero().squeeze(1)
+        p[rows, tgt[rows]] -= 1.0
+    p.div_(norm)
+    return p.mul_(t.square_().neg_().add_(1.0)) if t.numel() else p
+
+
+def _select(h: Tensor, targets: Tensor, mask: Tensor, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Flatten to (N, D) and keep only the trained rows: (h2, row ids (n,), their targets (n,))."""
+    h2 = h.reshape(-1, h.shape[-1])
+    ids = mask.reshape(-1).nonzero().squeeze(1)
+    tgt = targets.reshape(-1).index_select(0, ids)
+    if tgt.numel() and not (0 <= int(tgt.min()) and int(tgt.max()) < vocab):
+        raise ValueError(f"trained targets must lie in 0:{vocab}")
+    return h2, ids, tgt
+
+
+def _whole_head(
+    hs: Tensor, tgt: Tensor, head: FrozenWeight, cap: float | None, rows: int, norm: float | None
+) -> tuple[Tensor, Tensor | None]:
+    """hs (n, D) -> (loss sum, dhs (n, D) or None when norm is None). The head is dequantized
+    once; one (rows × V) logits block (and its tanh when capped) lives at a time."""
+    ct = torch.promote_types(hs.dtype, torch.float32)
+    w = head.dense(hs.dtype)
+    loss = torch.zeros((), dtype=ct, device=hs.device)
+    dhs = None if norm is None else torch.empty_like(hs)
+    for r0 in range(0, hs.shape[0], rows):
+        hc, tc = hs[r0 : r0 + rows], tgt[r0 : r0 + rows]
+        z, t = _logits(hc, w, cap, ct)
+        lse = torch.logsumexp(z, -1)
+        loss += (lse - z.gather(1, tc[:, None]).squeeze(1)).sum()
+        if dhs is not None and norm is not None:
+            dhs[r0 : r0 + rows] = _dlogits(z, t, lse, tc, norm).to(w.dtype) @ w  # (c,V)(V,D)
+    return loss, dhs
+
+
+def _sliced_head(
+    hs: Tensor,
+    tgt: Tensor,
+    head: FrozenWeight,
+    cap: float | None,
+    rows: int,
+    vchunk: int,
+    norm: float | None,
+) -> tuple[Tensor, Tensor | None]:
+    """As _whole_head, but with the head in vocabulary slices (outer loop, so each slice is
+    dequantized once per pass). Pass 1, online logsumexp: with m the running max,
+    s ← s·e^(m−m') + Σ e^(z−m'), lse = m + log s. Pass 2 re-forms each slice's logits and
+    accumulates dhs += dlogits_slice · W_slice (the vocabulary sum of dh = dlogits W)."""
+    ct = torch.promote_types(hs.dtype, torch.float32)
+    n, vocab = hs.shape[0], head.out_features
+    m = torch.full((n,), -torch.inf, dtype=ct, device=hs.device)
+    s, tz = torch.zeros_like(m), torch.zeros_like(m)
+    slices = [(v0, min(v0 + vchunk, vocab)) for v0 in range(0, vocab, vchunk)]
+    for v0, v1 in slices:
+        w = head.rows(v0, v1, hs.dtype).to(hs.dtype)
+        local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
+        for r0 in range(0, n, rows):
+            z, _ = _logits(hs[r0 : r0 + rows], w, cap, ct)
+            mc, sc, lc = m[r0 : r0 + rows], s[r0 : r0 + rows], local[r0 : r0 + rows]
+            hit = (lc >= 0).nonzero().squeeze(1)
+            tz[r0 + hit] = z[hit, lc[hit]]  # target logits, before z is overwritten
+            m_new = torch.maximum(mc, z.amax(-1))
+            sc.mul_((mc - m_new).exp_()).add_(z.sub_(m_new[:, None]).exp_().sum(-1))
+            mc.copy_(m_new)
+    lse = m.add_(s.log_())
+    loss = (lse - tz).sum()
+    if norm is None:
+        return loss, None
+    acc = torch.zeros(hs.shape, dtype=ct, device=hs.device)
+    for v0, v1 in slices:
+        w = head.rows(v0, v1, hs.dtype).to(hs.dtype)
+        local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
+        for r0 in range(0, n, rows):
+            z, t = _logits(hs[r0 : r0 + rows], w, cap, ct)
+            p = _dlogits(z, t, lse[r0 : r0 + rows], local[r0 : r0 + rows], norm)
+            acc[r0 : r0 + rows] += p.to(w.dtype) @ w  # (c, v)(v, D)
+    return loss, acc.to(hs.dtype)
+
+
+def _run(
+    h: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    head: FrozenWeight,
+    softcap: float | None,
+    chunk_rows: int,
+    vocab_chunk: int | None,
+    normalizer: float | None,
+    grad: bool,
+) -> tuple[Tensor, int, Tensor | None]:
+    h2, ids, tgt = _select(h, targets, mask, head.out_features)
+    n = ids.numel()
+    ct = torch.promote_types(h.dtype, torch.float32)
+    if n == 0:
+        return torch.zeros((), dtype=ct, device=h.device), 0, torch.zeros_like(h) if grad else None
+    norm = None
+    if grad:
+        norm = float(n if normalizer is None else normalizer)
+        if norm <= 0:
+            raise ValueError(f"normalizer must be positive, got {normalizer}")
+    hs = h2.index_select(0, ids)  # (n, D): trained rows only
+    if vocab_chunk is None:
+        loss, dhs = _whole_head(hs, tgt, head, softcap, chunk_rows, norm)
+    else:
+        loss, dhs = _sliced_head(hs, tgt, head, softcap, chunk_rows, vocab_chunk, norm)
+    if dhs is None:
+        return loss, n, None
+    dh = torch.zeros_like(h2).index_copy_(0, ids, dhs)  # zero at untrained rows
+    return loss, n, dh.view(h.shape)
+
+
+def chunked_ce_loss_and_grad(
+    h: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    head: FrozenWeight,
+    softcap: float | None,
+    chunk_rows: int = 1024,
+    vocab_chunk: int | None = None,
+    normalizer: float | None = None,
+) -> tuple[Tensor, int, Tensor]:
+    """h (N, D) (or (B, S, D)) final-normed states, targets/mask (N,) -> (summed loss over
+    trained rows, as a 0-d fp32 tensor (fp64 for fp64 h); their count n; dh like h).
+    dh is the gradient of loss_sum / normalizer (default n, i.e. of the mean loss):
+    with p = softmax(z), ∂loss/∂z = p − onehot(target); z = cap·tanh(u/cap) adds the factor
+    1 − tanh²(u/cap); u = h Wᵀ gives dh = du W. Rows with mask False get zeros."""
+    loss, n, dh = _run(
+        h, targets, mask, head, softcap, chunk_rows, vocab_chunk, normalizer, grad=True
+    )
+    assert dh is not None
+    return loss, n, dh
+
+
+def chunked_ce_loss(
+    h: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    head: FrozenWeight,
+    softcap: float | None,
+    chunk_rows: int = 1024,
+    vocab_chunk: int | None = None,
+) -> tuple[Tensor, int]:
+    """Forward only (evaluation): (summed loss over trained rows, their count)."""
+    loss, n, _ = _run(h, targets, mask, head, softcap, chunk_rows, vocab_chunk, None, grad=False)
+    return loss, n

@@ -1,0 +1,81 @@
+"""The LoRA linear y = x Wᵀ + b + s·(x Aᵀ) Bᵀ as pure functions, forward and hand backward.
+
+W and b are frozen, so backward yields only dx and the adapter gradients. The rank-r activation
+h = x Aᵀ is (tokens × r), small enough to recompute rather than keep; a store-h engine may pass
+it in instead. The base weight is dequantized for the one product that needs it, then dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mesp.models.linear import FrozenWeight
+
+# A frozen (out, in) base: a FrozenWeight (dense or packed), a plain tensor, or dtype -> tensor.
+WeightSource = FrozenWeight | Tensor | Callable[[torch.dtype], Tensor]
+
+
+def dense_weight(base: WeightSource, dtype: torch.dtype) -> Tensor:
+    """The (out, in) base weight in dtype; a fresh temporary when the base is quantized."""
+    if isinstance(base, FrozenWeight):
+        return base.dense(dtype)
+    if isinstance(base, Tensor):
+        return base.to(dtype)
+    return base(dtype).to(dtype)
+
+
+def lora_linear_with_h(
+    x: Tensor, base: WeightSource, bias: Tensor | None, A: Tensor, B: Tensor, s: float
+) -> tuple[Tensor, Tensor]:
+    """x (..., in), A (r, in), B (out, r), bias (out,) | None -> y (..., out), h (..., r).
+    Everything in x.dtype, as `Linear.forward` computes it."""
+    h = F.linear(x, A.to(x.dtype))
+    y = F.linear(x, dense_weight(base, x.dtype), None if bias is None else bias.to(x.dtype))
+    return y.add_(F.linear(h, B.to(x.dtype)), alpha=s), h
+
+
+def lora_linear(
+    x: Tensor, base: WeightSource, bias: Tensor | None, A: Tensor, B: Tensor, s: float
+) -> Tensor:
+    """x (..., in) -> y (..., out) = x Wᵀ + b + s·(x Aᵀ) Bᵀ."""
+    return lora_linear_with_h(x, base, bias, A, B, s)[0]
+
+
+def lora_linear_backward(
+    dy: Tensor,
+    x: Tensor,
+    base: WeightSource,
+    A: Tensor,
+    B: Tensor,
+    s: float,
+    gA_acc: Tensor,
+    gB_acc: Tensor,
+    need_dx: bool = True,
+    h: Tensor | None = None,
+) -> Tensor | None:
+    """Accumulate the adapter gradients in place and return dx (or None when not needed).
+    With h = x Aᵀ and y = … + s·h Bᵀ:  ∂L/∂B = s·dyᵀ h,  gh = s·dy B,  ∂L/∂A = ghᵀ x,
+    dx = dy W + gh A  (W's own gradient is never formed: the base is frozen).
+    Shapes: dy (..., out), x (..., in), h (..., r) | None, gA_acc (r, in), gB_acc (out, r);
+    batch/sequence dims are flattened into the matmul so one addmm_ sums over all tokens.
+    Gradients are accumulated in gA_acc/gB_acc's (common) dtype; dx comes back in x.dtype."""
+    n_out, n_in, r = B.shape[0], A.shape[1], A.shape[0]
+    gd = gA_acc.dtype
+    if gB_acc.dtype != gd:
+        raise ValueError(f"gA_acc is {gd} but gB_acc is {gB_acc.dtype}; use one dtype")
+    dy2, x2 = dy.reshape(-1, n_out), x.reshape(-1, n_in)
+    dy_g, x_g, B_g = dy2.to(gd), x2.to(gd), B.to(gd)
+    h2 = torch.mm(x_g, A.to(gd).t()) if h is None else h.reshape(-1, r).to(gd)  # (N, r)
+    gB_acc.addmm_(dy_g.t(), h2, alpha=s)  # (out, N)(N, r)
+    gh = torch.mm(dy_g, B_g).mul_(s)  # (N, r)
+    gA_acc.addmm_(gh.t(), x_g)  # (r, N)(N, in)
+    if not need_dx:
+        return None
+    cd = x.dtype
+    dx = torch.mm(dy2.to(cd), dense_weight(base, cd))  # (N, out)(out, in); W dropped after
+    dx.addmm_(gh.to(cd), A.to(cd))  # (N, r)(r, in)
+    return dx.view(x.shape)

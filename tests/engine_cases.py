@@ -1,0 +1,47 @@
+"""Shared fixtures for engine tests: a tiny model of a family with a random non-zero adapter,
+and a padded batch with a masked prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from mesp.data_batches import Batch
+from mesp.lora import LoraConfig, apply_lora
+from mesp.models.transformer import CausalLM
+from mesp.quant import QuantSpec
+from tests.hf_tiny import hf_model, mesp_from_hf
+
+
+def model_with_adapter(
+    family: str, quant: QuantSpec | None = None, rank: int = 3, dtype=torch.float32, **over
+) -> CausalLM:  # type: ignore[no-untyped-def]
+    if quant is not None:  # every input size a multiple of the group: all weights quantized
+        over = {"hidden_size": 96, "head_dim": 32, "intermediate_size": 160, **over}
+    m = mesp_from_hf(hf_model(family, **over), quant=quant, dtype=dtype)
+    assert quant is None or all(mod.quant for mod in m.lora_modules().values())
+    apply_lora(m, LoraConfig(rank=rank, alpha=7.0))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in m.lora_parameters():
+            p.copy_((torch.randn(p.shape, generator=g) * 0.05).to(dtype))
+    return m
+
+
+def padded_batch(b: int = 3, s: int = 23, vocab: int = 211, seed: int = 5) -> Batch:
+    """Rows of different lengths, right padded; the first 4 targets of each row masked off
+    (a prompt), and padding masked off."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s + 1), generator=g)
+    lengths = [s - 3 * i for i in range(b)]
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, 4:n] = True
+        ids[i, n + 1 :] = 0
+    return Batch(input_ids=ids[:, :-1].contiguous(), targets=ids[:, 1:].contiguous(), mask=mask)
+
+
+def grads_of(engine, model: CausalLM, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    for p in model.lora_parameters():
+        p.grad = None
+    loss = engine.step(model, batch, batch.n_tokens)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
