@@ -27,6 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="fine-tune LoRA adapters")
     s.add_argument("--config", help="YAML/TOML file of flag values (flags given here win)")
     s.add_argument("--engine", default="mesp", choices=ENGINES, help="gradient engine")
+    s.add_argument(
+        "--h-strategy",
+        default="recompute",
+        choices=("recompute", "store"),
+        help="mesp: recompute LoRA's h = xAᵀ in backward, or store it (ablation)",
+    )
     s.add_argument("--adapter-out", default="adapters", help="directory for the adapter + logs")
     s.add_argument("--max-memory", default=None, help="memory budget, e.g. 500MB (planner)")
     s.add_argument(
@@ -68,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     add_dataclass_args(s, ModelOptions)
     s.add_argument("--adapter", default=None, help="adapter to differentiate (default: fresh)")
     s.add_argument("--engine", default="mesp", choices=ENGINES)
+    s.add_argument("--h-strategy", default="recompute", choices=("recompute", "store"))
     s.add_argument("--data", dest="path", default=None)
     s.add_argument("--seq-len", type=int, default=128)
     s.add_argument("--batch-size", type=int, default=1)

@@ -15,6 +15,10 @@ from mesp.errors import MespError
 from mesp.session import ModelOptions, open_model
 
 
+def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
+    return {"h_strategy": ns.h_strategy} if ns.engine == "mesp" else {}
+
+
 def _tokenizer(loaded):  # type: ignore[no-untyped-def]
     if loaded.tokenizer is None:
         raise MespError(f"{loaded.source}: no tokenizer found (tokenizer.json or GGUF metadata)")
@@ -46,7 +50,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     data_cfg.validate()
     lora_cfg = from_args(LoraConfig, ns)
     train_cfg = from_args(TrainConfig, ns)
-    engine = make_engine(ns.engine)
+    engine = make_engine(ns.engine, **_engine_opts(ns))
     out = Path(ns.adapter_out)
     check_output_dir(out)
     loaded = open_model(opts, seed=ns.seed)
@@ -143,7 +147,7 @@ def cmd_grad(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
     if out.is_dir():
         raise MespError(f"{out}: is a directory; give a .safetensors file path")
-    engine = make_engine(ns.engine)
+    engine = make_engine(ns.engine, **_engine_opts(ns))
     loaded = _model_with_adapter(ns)
     model, tok = loaded.model, _tokenizer(loaded)
     if not ns.adapter:

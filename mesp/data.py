@@ -294,7 +294,7 @@ def load_jsonl(
             if overlong == "error":
                 raise MespError(
                     f"{where}: row has {len(ex.ids)} tokens, more than --seq-len {seq_len}+1; "
-                    "raise --seq-len or use --truncate"
+                    "raise --seq-len or use --overlong truncate"
                 )
             if overlong == "drop":
                 dropped += 1
@@ -316,7 +316,7 @@ def load_jsonl(
         warn(f"{path}: skipped {untrained} of {rows} rows with no trained token")
     if not out and dropped == rows:
         raise MespError(
-            f"{path}: every row is longer than {cap}; raise --seq-len or use --truncate"
+            f"{path}: every row is longer than {cap}; raise --seq-len or use --overlong truncate"
         )
     if not out:
         raise MespError(f"{path}: no usable rows: none of {rows} rows has a trained token")

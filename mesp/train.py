@@ -28,10 +28,15 @@ class TrainConfig:
     batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
-    optimizer: str = field(default="adamw", metadata={"help": "adamw or sgd (the paper's)"})
+    optimizer: str = field(
+        default="adamw",
+        metadata={"help": "adamw or sgd (the paper's)", "choices": ("adamw", "sgd")},
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay"})
     warmup: int = field(default=10, metadata={"help": "linear warmup steps"})
-    schedule: str = field(default="cosine", metadata={"help": "cosine or constant after warmup"})
+    schedule: str = field(
+        default="cosine", metadata={"help": "after warmup", "choices": ("cosine", "constant")}
+    )
     clip: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
     eval_every: int = field(default=50, metadata={"help": "validate every N steps (0 = end)"})
     eval_batches: int = field(default=16, metadata={"help": "validation batches (0 = all)"})
@@ -69,8 +74,13 @@ def evaluate(
         if max_batches and i >= max_batches:
             break
         loss, k = chunked_ce_loss(
-            model.hidden(batch.input_ids), batch.targets, batch.mask, model.head_weight(),
-            model.config.final_logit_softcapping, chunk_rows=512, vocab_chunk=EVAL_VOCAB_CHUNK,
+            model.hidden(batch.input_ids),
+            batch.targets,
+            batch.mask,
+            model.head_weight(),
+            model.config.final_logit_softcapping,
+            chunk_rows=512,
+            vocab_chunk=EVAL_VOCAB_CHUNK,
         )
         total += float(loss)
         n += k
