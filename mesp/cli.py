@@ -6,9 +6,10 @@ import argparse
 import logging
 import sys
 
-from mesp.cli_args import add_dataclass_args, apply_config_defaults
+from mesp.cli_args import add_dataclass_args, apply_config_defaults, apply_resume_defaults
 from mesp.errors import MespError
 from mesp.session import ModelOptions
+from mesp.train import Interrupted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
         help="mesp: recompute LoRA's h = xAᵀ in backward, or store it (ablation)",
     )
     s.add_argument("--adapter-out", default="adapters", help="directory for the adapter + logs")
+    s.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the run saved in DIR (its flags are the defaults)",
+    )
     s.add_argument("--max-memory", default=None, help="memory budget, e.g. 500MB (planner)")
     s.add_argument(
         "--data",
@@ -89,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = _parser()
         if argv and argv[0] == "train":
-            apply_config_defaults(parser._subparsers._group_actions[0].choices["train"], argv[1:])  # type: ignore[union-attr]
+            sub = parser._subparsers._group_actions[0]  # type: ignore[union-attr]
+            train_parser = sub.choices["train"]  # type: ignore[attr-defined]
+            apply_resume_defaults(train_parser, argv[1:])
+            apply_config_defaults(train_parser, argv[1:])
         ns = parser.parse_args(argv)
         from mesp import commands
 
@@ -97,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except MespError as e:
         print(f"mesp: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"mesp: {e}", file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         print("mesp: interrupted", file=sys.stderr)
         return 130

@@ -96,6 +96,27 @@ def load_config_file(path: str) -> dict[str, Any]:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
+def apply_resume_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """`--resume DIR`: the flags of the run saved there become defaults (explicit flags win,
+    and the saved fingerprint refuses any change that would alter the result)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--resume")
+    ns, _ = pre.parse_known_args(argv)
+    if not ns.resume:
+        return
+    f = Path(ns.resume) / "run_args.json"
+    if not f.is_file():
+        raise MespError(f"{f}: missing; is {ns.resume} the --adapter-out of a mesp train run?")
+    try:
+        values = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise MespError(f"{f}: {e}") from None
+    known = {a.dest for a in parser._actions}
+    parser.set_defaults(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known}
+    )
+
+
 def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """Values from --config become defaults, so explicit flags still win."""
     pre = argparse.ArgumentParser(add_help=False)

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from mesp.atomic_io import atomic_write
+from mesp.checkpoint import check_fingerprint, load_state
 from mesp.cli_args import from_args
 from mesp.errors import MespError
 from mesp.session import ModelOptions, open_model
@@ -51,20 +53,31 @@ def cmd_train(ns: argparse.Namespace) -> int:
     lora_cfg = from_args(LoraConfig, ns)
     train_cfg = from_args(TrainConfig, ns)
     engine = make_engine(ns.engine, **_engine_opts(ns))
-    out = Path(ns.adapter_out)
+    out = Path(ns.resume or ns.adapter_out)
     check_output_dir(out)
+    resume = load_state(out) if ns.resume else None
     loaded = open_model(opts, seed=ns.seed)
     model, tok = loaded.model, _tokenizer(loaded)
     _check_seq_len(model, data_cfg.seq_len)
+    fp = _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg)
+    if resume is not None:
+        check_fingerprint(resume, fp, out)
     splits = load_splits(data_cfg, tok)
     pad = pad_id_of(tok)
     n_params = apply_lora(model, lora_cfg, seed=ns.seed)
+    run_args = {k: v for k, v in vars(ns).items() if k not in ("cmd", "config", "resume")}
+    atomic_write(out / "run_args.json", lambda p: Path(p).write_text(json.dumps(run_args)))
     print(
         f"mesp: {loaded.source} ({model.config.family}, {opts.quantize}-bit base, "
         f"{opts.dtype}), {n_params:,} LoRA parameters, engine {engine.name}, "
         f"{len(splits['train'])} train / {len(splits['valid'])} valid rows"
     )
-    before = evaluate(model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches)
+    base_f = out / "baseline.json"  # the untrained adapter's score, kept across resumes
+    if resume is not None and base_f.exists():
+        before = json.loads(base_f.read_text())
+    else:
+        before = evaluate(model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches)
+        atomic_write(base_f, lambda p: Path(p).write_text(json.dumps(before)))
     res = train(
         model,
         engine,
@@ -75,6 +88,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         out,
         pad_id=pad,
         base_name=loaded.source,
+        fingerprint=fp,
+        resume=resume,
     )
     after = res.valid[-1]
     summary = {
@@ -90,6 +105,26 @@ def cmd_train(ns: argparse.Namespace) -> int:
         f"peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; adapter in {out}"
     )
     return 0
+
+
+def _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg) -> dict:  # type: ignore[no-untyped-def]
+    """What must stay the same for a resumed run to equal an uninterrupted one."""
+    from dataclasses import asdict
+
+    skip = {"steps", "eval_every", "eval_batches", "save_every", "progress"}
+    fp = {
+        "model": loaded.source,
+        "model_config": loaded.model.config.to_hf(),
+        "quantize": ns.quantize,
+        "group_size": ns.group_size,
+        "dtype": ns.dtype,
+        "engine": ns.engine,
+        **_engine_opts(ns),
+        "data": asdict(data_cfg),
+        "lora": asdict(lora_cfg),
+        "train": {k: v for k, v in asdict(train_cfg).items() if k not in skip},
+    }
+    return json.loads(json.dumps(fp))  # tuples -> lists, as they come back from the file
 
 
 def _model_with_adapter(ns: argparse.Namespace):  # type: ignore[no-untyped-def]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mesp.atomic_io import atomic_write
 from mesp.errors import MespError
 from mesp.models.transformer import LORA_TARGETS, CausalLM
 
@@ -93,25 +93,6 @@ def adapter_state(model: CausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
-    """Write via a temp file in the same directory, fsync, rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def check_output_dir(out_dir: Path) -> None:
     """Create out_dir or fail in one line now, before hours of training, not after."""
     try:
@@ -143,14 +124,12 @@ def save_adapter(model: CausalLM, out_dir: Path, cfg: LoraConfig, base_name: str
         "use_dora": False,
         "inference_mode": True,
     }
-    try:
-        _atomic_write(out_dir / "adapter_model.safetensors", lambda p: save_file(tensors, p))
-        _atomic_write(
-            out_dir / "adapter_config.json",
-            lambda p: Path(p).write_text(json.dumps(conf, indent=2) + "\n"),
-        )
-    except OSError as e:
-        raise MespError(f"{out_dir}: could not save adapter: {e.strerror or e}") from None
+    # Weights first, config last: a directory with a config always has matching weights.
+    atomic_write(out_dir / "adapter_model.safetensors", lambda p: save_file(tensors, p))
+    atomic_write(
+        out_dir / "adapter_config.json",
+        lambda p: Path(p).write_text(json.dumps(conf, indent=2) + "\n"),
+    )
     return out_dir
 
 

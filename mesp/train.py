@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mesp.checkpoint import TrainState, restore, save_state
 from mesp.data_batches import BatchStream, Example, iter_eval_batches
 from mesp.engines import Engine
 from mesp.errors import MespError
@@ -43,6 +46,9 @@ class TrainConfig:
     save_every: int = field(default=100, metadata={"help": "save the adapter every N steps"})
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     progress: bool = field(default=True, metadata={"help": "show a live progress line"})
+    skip_nonfinite: bool = field(
+        default=False, metadata={"help": "skip batches with a NaN/inf loss instead of stopping"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum"):
@@ -90,6 +96,14 @@ def evaluate(
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": n}
 
 
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived: the step finished, state and adapter were saved."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def train(
     model: CausalLM,
     engine: Engine,
@@ -100,21 +114,25 @@ def train(
     out_dir: Path,
     pad_id: int = 0,
     base_name: str = "",
+    fingerprint: dict[str, Any] | None = None,
+    resume: TrainState | None = None,
 ) -> TrainResult:
     from mesp.memory_rss import peak_rss_bytes
 
     params = model.lora_parameters()
     opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, cfg.steps, cfg.warmup, cfg.schedule)
-    )
     stream = BatchStream(train_examples, cfg.batch_size, seed=cfg.seed, pad_id=pad_id)
+    st = resume or TrainState(fingerprint=fingerprint or {})
+    if resume is not None:
+        restore(model, opt, resume)
+        stream.load_state_dict(resume.stream)
+        if resume.engine and hasattr(engine, "load_state_dict"):
+            engine.load_state_dict(resume.engine)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_f = (out_dir / "log.jsonl").open("a")
-    bar = _progress(cfg)
-    losses: list[float] = []
-    valid: list[dict[str, float]] = []
+    bar = _progress(cfg, st.step)
     t_start = time.perf_counter()
+    stop = _SignalFlag()
 
     def log(row: dict[str, Any]) -> None:
         log_f.write(json.dumps(row) + "\n")
@@ -123,70 +141,128 @@ def train(
     def validate(step: int) -> None:
         model.eval()
         v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches)
-        valid.append({"step": step, **v})
+        st.valid.append({"step": step, **v})
         log({"step": step, "valid_loss": v["loss"], "valid_ppl": v["ppl"]})
 
-    for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        micro = [next(stream) for _ in range(cfg.grad_accum)]
-        normalizer = sum(b.n_tokens for b in micro)
-        if normalizer == 0:
-            log({"step": step + 1, "skipped": "no trained tokens in batch"})
-            continue
-        loss_sum = sum(engine.step(model, b, normalizer) for b in micro)
-        loss = loss_sum / normalizer
-        if not math.isfinite(loss):
-            save_adapter(model, out_dir, lora, base_name)
-            raise MespError(f"non-finite loss at step {step + 1}; last adapter kept in {out_dir}")
-        if cfg.clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-        if not getattr(engine, "updates_params", False):
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        lr = sched.get_last_lr()[0]
-        sched.step()
-        dt = time.perf_counter() - t0
-        tokens = sum(b.input_ids.numel() for b in micro)
-        peak = peak_rss_bytes()
-        losses.append(loss)
-        row = {
-            "step": step + 1,
-            "loss": loss,
-            "lr": lr,
-            "tokens_per_s": tokens / dt,
-            "step_s": dt,
-            "peak_rss_mb": (peak or 0) / 2**20,
-        }
-        log(row)
-        if bar is not None:
-            bar.set_postfix(
-                loss=f"{loss:.3f}",
-                tok_s=f"{tokens / dt:.0f}",
-                peak=f"{row['peak_rss_mb']:.0f}MB",
-                refresh=False,
+    def checkpoint() -> None:
+        """Adapter and full state together: what a crash right after this line resumes from."""
+        st.stream = stream.state_dict()
+        st.engine = engine.state_dict() if hasattr(engine, "state_dict") else {}
+        save_adapter(model, out_dir, lora, base_name)
+        save_state(out_dir, model, opt, st)
+
+    with stop:
+        while st.step < cfg.steps:
+            step = st.step + 1
+            t0 = time.perf_counter()
+            lr = cfg.lr * lr_factor(st.step, cfg.steps, cfg.warmup, cfg.schedule)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            if hasattr(engine, "set_lr"):  # engines that update parameters themselves (mezo)
+                engine.set_lr(lr)
+            micro = [next(stream) for _ in range(cfg.grad_accum)]
+            normalizer = sum(b.n_tokens for b in micro)
+            if normalizer == 0:  # e.g. every target masked: no loss to take, never a NaN
+                log({"step": step, "skipped": "no trained tokens in batch"})
+                st.step = step
+                continue
+            loss = sum(engine.step(model, b, normalizer) for b in micro) / normalizer
+            finite = math.isfinite(loss) and all(
+                p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params
             )
-            bar.update(1)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            validate(step + 1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_adapter(model, out_dir, lora, base_name)
+            if not finite:
+                opt.zero_grad(set_to_none=True)
+                if not cfg.skip_nonfinite:
+                    save_adapter(model, out_dir, lora, base_name)  # the last good adapter
+                    raise MespError(
+                        f"non-finite loss or gradient at step {step}; the last good adapter is "
+                        f"in {out_dir} (use --skip-nonfinite to skip such batches)"
+                    )
+                log({"step": step, "skipped": "non-finite loss or gradient"})
+                st.step = step
+                continue
+            if cfg.clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            if not getattr(engine, "updates_params", False):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            st.step = step
+            dt = time.perf_counter() - t0
+            tokens = sum(b.input_ids.numel() for b in micro)
+            row = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "tokens_per_s": tokens / dt,
+                "step_s": dt,
+                "peak_rss_mb": peak_rss_bytes() / 2**20,
+            }
+            st.losses.append(loss)
+            log(row)
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{loss:.3f}",
+                    tok_s=f"{tokens / dt:.0f}",
+                    peak=f"{row['peak_rss_mb']:.0f}MB",
+                    refresh=False,
+                )
+                bar.update(1)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                validate(step)
+            if (cfg.save_every and step % cfg.save_every == 0) or stop.signum:
+                checkpoint()
+            if stop.signum:
+                if bar is not None:
+                    bar.close()
+                code = 128 + stop.signum
+                raise Interrupted(
+                    code,
+                    f"interrupted at step {step}; adapter and training "
+                    f"state saved in {out_dir} (resume: mesp train "
+                    f"--resume {out_dir})",
+                )
     if bar is not None:
         bar.close()
-    validate(cfg.steps)
-    save_adapter(model, out_dir, lora, base_name)
+    if not st.valid or st.valid[-1]["step"] != cfg.steps:
+        validate(cfg.steps)
+    checkpoint()
     log_f.close()
-    plot_losses(out_dir / "loss.png", losses, valid)
+    plot_losses(out_dir / "loss.png", st.losses, st.valid)
     return TrainResult(
-        cfg.steps, losses, valid, out_dir, peak_rss_bytes(), time.perf_counter() - t_start
+        cfg.steps, st.losses, st.valid, out_dir, peak_rss_bytes(), time.perf_counter() - t_start
     )
 
 
-def _progress(cfg: TrainConfig):  # type: ignore[no-untyped-def]
+class _SignalFlag:
+    """While active, SIGINT/SIGTERM only set a flag: the loop finishes the step and saves.
+    A second signal interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self) -> _SignalFlag:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _progress(cfg: TrainConfig, done: int):  # type: ignore[no-untyped-def]
     if not cfg.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
 
 
 def plot_losses(path: Path, losses: list[float], valid: list[dict[str, float]]) -> None:
