@@ -1,4 +1,4 @@
-"""Resumable training state in one atomically written safetensors file (no pickle).
+"""Resumable training state in one atomically written safetensors file (tensors + JSON only).
 
 Tensors: the LoRA parameters, the optimizer state, torch's RNG state. JSON (in the file's
 metadata): the completed step, the data stream position, the loss history, engine state, and a

@@ -37,9 +37,9 @@ def make_tokenizer() -> Tokenizer:
     return tok
 
 
-def make_model_dir(path: Path, family: str = "llama") -> Path:
+def make_model_dir(path: Path, family: str = "llama", **over: int) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    hf = hf_model(family, vocab_size=VOCAB)
+    hf = hf_model(family, vocab_size=VOCAB, **over)
     hf.save_pretrained(str(path))
     make_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(

@@ -42,6 +42,7 @@ def read_safetensors_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict]:
     where: dict[str, Path] = {}
     handles = {}
     for shard in _shards(path):
+        _check_complete(shard)
         try:
             h = safe_open(str(shard), framework="pt")
             names = list(h.keys())
@@ -49,7 +50,6 @@ def read_safetensors_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict]:
             raise MespError(
                 f"{shard}: not a readable safetensors file ({_first_line(e)})"
             ) from None
-        _check_complete(shard)
         handles[shard] = h
         for n in names:
             where[n] = shard
@@ -70,21 +70,23 @@ def read_safetensors_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict]:
 
 def _check_complete(shard: Path) -> None:
     """safetensors memory-maps lazily, so a truncated file only fails when a late tensor is read:
-    compare the header's data extent with the file size up front."""
+    validate the header and compare its data extent with the file size up front."""
+    size = shard.stat().st_size
     with open(shard, "rb") as f:
         head = f.read(8)
-        if len(head) < 8:
-            raise MespError(f"{shard}: truncated safetensors file (no header)")
-        n = int.from_bytes(head, "little")
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if len(head) < 8 or n > size - 8:
+            raise MespError(f"{shard}: truncated safetensors file (header cut off)")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise MespError(f"{shard}: truncated or corrupt safetensors header") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if shard.stat().st_size < 8 + n + end:
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError,
+                IndexError, ValueError):
+            raise MespError(f"{shard}: corrupt safetensors header") from None
+    if size < 8 + n + max(ends, default=0):
         raise MespError(
-            f"{shard}: truncated safetensors file ({shard.stat().st_size} bytes, "
-            f"header needs {8 + n + end})"
+            f"{shard}: truncated safetensors file ({size} bytes, "
+            f"header needs {8 + n + max(ends)})"
         )
 
 

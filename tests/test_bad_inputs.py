@@ -1,0 +1,245 @@
+"""The catalogue of bad input: each gets one line naming what is wrong, a non-zero exit, no
+traceback, and no partial or corrupt output file."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from mesp.cli import main
+from tests.tiny_dir import make_jsonl, make_model_dir
+
+FAST = [
+    "--quantize",
+    "none",
+    "--seq-len",
+    "48",
+    "--steps",
+    "1",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad")
+    model = make_model_dir(root / "model", "qwen2")
+    other = make_model_dir(root / "other", "qwen2", hidden_size=48, head_dim=16)
+    good = make_jsonl(root / "good.jsonl", 12)
+    out = root / "other_adapter"
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                str(other),
+                "--data",
+                str(good),
+                "--adapter-out",
+                str(out),
+                "--rank",
+                "2",
+                *FAST,
+            ]
+        )
+        == 0
+    )
+    return {"root": root, "model": model, "good": good, "other_adapter": out}
+
+
+def _data(root: Path, name: str, content: bytes) -> str:
+    p = root / name
+    p.write_bytes(content)
+    return str(p)
+
+
+def _broken_model(root: Path, model: Path, name: str, edit) -> str:  # type: ignore[no-untyped-def]
+    import shutil
+
+    dst = root / name
+    if not dst.exists():
+        shutil.copytree(model, dst)
+        edit(dst)
+    return str(dst)
+
+
+def _edit_config(**kv):  # type: ignore[no-untyped-def]
+    def edit(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **kv}))
+
+    return edit
+
+
+def _truncate(d: Path) -> None:
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size - 100])
+
+
+CASES = {
+    "malformed_jsonl": (
+        lambda e: ["--data", _data(e["root"], "m.jsonl", b'{"text": "a"}\n{oops\n')],
+        "m.jsonl:2",
+    ),
+    "non_utf8": (
+        lambda e: ["--data", _data(e["root"], "u.jsonl", b'{"text": "\xff\xfe"}\n')],
+        "u.jsonl:1",
+    ),
+    "wrong_field_type": (
+        lambda e: ["--data", _data(e["root"], "t.jsonl", b'{"text": 5}\n')],
+        "t.jsonl:1",
+    ),
+    "missing_key": (
+        lambda e: ["--data", _data(e["root"], "k.jsonl", b'{"body": "x"}\n')],
+        "k.jsonl:1",
+    ),
+    "empty_dataset": (lambda e: ["--data", _data(e["root"], "e.jsonl", b"")], "e.jsonl"),
+    "all_rows_too_long": (
+        lambda e: [
+            "--data",
+            _data(e["root"], "l.jsonl", (json.dumps({"text": "word " * 400}) + "\n").encode()),
+            "--overlong",
+            "drop",
+        ],
+        "--seq-len",
+    ),
+    "unknown_architecture": (
+        lambda e: [
+            "--model",
+            _broken_model(e["root"], e["model"], "falcon", _edit_config(model_type="falcon")),
+        ],
+        "falcon",
+    ),
+    "config_weights_disagree": (
+        lambda e: [
+            "--model",
+            _broken_model(e["root"], e["model"], "wide", _edit_config(intermediate_size=200)),
+        ],
+        "config expects",
+    ),
+    "truncated_safetensors": (
+        lambda e: ["--model", _broken_model(e["root"], e["model"], "trunc", _truncate)],
+        "truncated",
+    ),
+    "truncated_gguf": (
+        lambda e: ["--model", _data(e["root"], "x.gguf", b"GGUF\x03\x00\x00")],
+        "x.gguf",
+    ),
+    "rank_zero": (lambda e: ["--rank", "0"], "--rank"),
+    "lr_negative": (lambda e: ["--lr", "-1"], "--lr"),
+    "lr_nan": (lambda e: ["--lr", "nan"], "--lr"),
+    "seq_len_over_max": (lambda e: ["--seq-len", "100000"], "maximum"),
+    "batch_size_zero": (lambda e: ["--batch-size", "0"], "--batch-size"),
+    "missing_data_file": (lambda e: ["--data", str(e["root"] / "nope.jsonl")], "nope.jsonl"),
+    "output_is_a_file": (lambda e: ["--adapter-out", str(e["good"])], "not a directory"),
+    "output_unwritable": (lambda e: ["--adapter-out", "/proc/self/mesp-out"], "mesp-out"),
+    "unknown_target": (lambda e: ["--targets", "q_proj,zz_proj"], "zz_proj"),
+    "resume_without_state": (lambda e: ["--resume", str(e["root"])], "run_args.json"),
+    "bad_config_file": (
+        lambda e: ["--config", _data(e["root"], "c.toml", b"no_such = 1\n")],
+        "no_such",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_train_input(
+    case: str, env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    extra, expect = CASES[case]
+    out = tmp_path / "out"
+    argv = [
+        "train",
+        "--model",
+        str(env["model"]),
+        "--data",
+        str(env["good"]),
+        *FAST,
+        "--adapter-out",
+        str(out),
+        *extra(env),
+    ]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("mesp: error:") and err.count("\n") == 1, err
+    assert expect in err, err
+    assert not (out / "adapter_model.safetensors").exists()
+
+
+def test_adapter_for_another_model(env: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(env["model"]),
+            "--adapter",
+            str(env["other_adapter"]),
+            "--data",
+            str(env["good"]),
+            "--quantize",
+            "none",
+            "--seq-len",
+            "48",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "shape" in err and err.count("\n") == 1, err
+
+
+def test_disk_full_on_save_keeps_the_previous_adapter(
+    env: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = tmp_path / "out"
+    argv = [
+        "train",
+        "--model",
+        str(env["model"]),
+        "--data",
+        str(env["good"]),
+        *FAST,
+        "--adapter-out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    before = (out / "adapter_model.safetensors").read_bytes()
+    import mesp.lora
+
+    def full(tensors, path, metadata=None):  # type: ignore[no-untyped-def]
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mesp.lora, "save_file", full)
+    capsys.readouterr()
+    assert main([*argv, "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and err.count("\n") == 1
+    assert (out / "adapter_model.safetensors").read_bytes() == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".adapter")]  # no temp left
+
+
+def test_no_pickle_anywhere() -> None:
+    """Tensors go through safetensors, state through JSON: no pickle, no unsafe torch.load,
+    no eval/exec in the package."""
+    import re
+
+    pkg = Path(__file__).resolve().parent.parent / "mesp"
+    bad = []
+    for f in pkg.rglob("*.py"):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if re.search(r"\bpickle\b|\bcloudpickle\b|\bdill\b", code):
+                bad.append(f"{f}:{i}: pickle")
+            if "torch.load(" in code and "weights_only=True" not in code:
+                bad.append(f"{f}:{i}: torch.load without weights_only=True")
+            if re.search(r"(?<![\w.])(eval|exec)\(", code):
+                bad.append(f"{f}:{i}: eval/exec")
+    assert not bad, bad
