@@ -36,6 +36,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--adapter-out", default="adapters", help="directory for the adapter + logs")
     s.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes on this machine (launches torchrun)",
+    )
+    s.add_argument("--master-port", type=int, default=29517, help="torchrun rendezvous port")
+    s.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=120.0,
+        help="seconds before surviving ranks give up on a dead one",
+    )
+    s.add_argument(
         "--resume",
         default=None,
         metavar="DIR",
@@ -101,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             apply_resume_defaults(train_parser, argv[1:])
             apply_config_defaults(train_parser, argv[1:])
         ns = parser.parse_args(argv)
+        ns.argv = argv
         from mesp import commands
 
         return getattr(commands, f"cmd_{ns.cmd}")(ns)

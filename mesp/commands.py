@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,10 +46,13 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
 def cmd_train(ns: argparse.Namespace) -> int:
     from mesp.data import DataConfig, load_splits, pad_id_of
+    from mesp.distributed import from_env, shutdown
     from mesp.engines import make_engine
     from mesp.lora import LoraConfig, apply_lora, check_output_dir
     from mesp.train import TrainConfig, evaluate, train
 
+    if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_torchrun(ns)
     opts = from_args(ModelOptions, ns)
     data_cfg = from_args(DataConfig, ns, seed=ns.seed)
     data_cfg.validate()
@@ -56,41 +62,57 @@ def cmd_train(ns: argparse.Namespace) -> int:
     out = Path(ns.resume or ns.adapter_out)
     check_output_dir(out)
     resume = load_state(out) if ns.resume else None
-    loaded = open_model(opts, seed=ns.seed)
-    model, tok = loaded.model, _tokenizer(loaded)
-    _check_seq_len(model, data_cfg.seq_len)
-    fp = _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg)
-    if resume is not None:
-        check_fingerprint(resume, fp, out)
-    splits = load_splits(data_cfg, tok)
-    pad = pad_id_of(tok)
-    n_params = apply_lora(model, lora_cfg, seed=ns.seed)
-    run_args = {k: v for k, v in vars(ns).items() if k not in ("cmd", "config", "resume")}
-    atomic_write(out / "run_args.json", lambda p: Path(p).write_text(json.dumps(run_args)))
-    print(
-        f"mesp: {loaded.source} ({model.config.family}, {opts.quantize}-bit base, "
-        f"{opts.dtype}), {n_params:,} LoRA parameters, engine {engine.name}, "
-        f"{len(splits['train'])} train / {len(splits['valid'])} valid rows"
-    )
-    base_f = out / "baseline.json"  # the untrained adapter's score, kept across resumes
-    if resume is not None and base_f.exists():
-        before = json.loads(base_f.read_text())
-    else:
-        before = evaluate(model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches)
-        atomic_write(base_f, lambda p: Path(p).write_text(json.dumps(before)))
-    res = train(
-        model,
-        engine,
-        splits["train"],
-        splits["valid"],
-        train_cfg,
-        lora_cfg,
-        out,
-        pad_id=pad,
-        base_name=loaded.source,
-        fingerprint=fp,
-        resume=resume,
-    )
+    dp = from_env(ns.dist_timeout)
+    main = dp is None or dp.is_main
+    say = print if main else (lambda *a, **k: None)
+    try:
+        loaded = open_model(opts, seed=ns.seed)
+        model, tok = loaded.model, _tokenizer(loaded)
+        _check_seq_len(model, data_cfg.seq_len)
+        fp = _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg)
+        if resume is not None:
+            check_fingerprint(resume, fp, out)
+        splits = load_splits(data_cfg, tok)
+        pad = pad_id_of(tok)
+        n_params = apply_lora(model, lora_cfg, seed=ns.seed)
+        ranks = f", {dp.world} ranks" if dp is not None else ""
+        say(
+            f"mesp: {loaded.source} ({model.config.family}, {opts.quantize}-bit base, "
+            f"{opts.dtype}), {n_params:,} LoRA parameters, engine {engine.name}{ranks}, "
+            f"{len(splits['train'])} train / {len(splits['valid'])} valid rows"
+        )
+        base_f = out / "baseline.json"  # the untrained adapter's score, kept across resumes
+        before: dict = {}
+        if main:
+            run_args = {
+                k: v for k, v in vars(ns).items() if k not in ("cmd", "config", "resume", "argv")
+            }
+            atomic_write(out / "run_args.json", lambda p: Path(p).write_text(json.dumps(run_args)))
+            if resume is not None and base_f.exists():
+                before = json.loads(base_f.read_text())
+            else:
+                before = evaluate(
+                    model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches
+                )
+                atomic_write(base_f, lambda p: Path(p).write_text(json.dumps(before)))
+        res = train(
+            model,
+            engine,
+            splits["train"],
+            splits["valid"],
+            train_cfg,
+            lora_cfg,
+            out,
+            pad_id=pad,
+            base_name=loaded.source,
+            fingerprint=fp,
+            resume=resume,
+            dp=dp,
+        )
+    finally:
+        shutdown()
+    if not main:
+        return 0
     after = res.valid[-1]
     summary = {
         "valid_ppl_before": before["ppl"],
@@ -99,12 +121,35 @@ def cmd_train(ns: argparse.Namespace) -> int:
         "seconds": res.seconds,
         "adapter": str(out),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write(
+        out / "summary.json", lambda p: Path(p).write_text(json.dumps(summary, indent=2) + "\n")
+    )
     print(
         f"mesp: valid perplexity {before['ppl']:.2f} -> {after['ppl']:.2f}; "
         f"peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; adapter in {out}"
     )
     return 0
+
+
+def _launch_torchrun(ns: argparse.Namespace) -> int:
+    """`mesp train --nproc N …` = `torchrun --nproc-per-node N -m mesp train …`."""
+    argv = list(ns.argv)
+    if "--nproc" in argv:  # absent when the count came from a resumed run's flags
+        i = argv.index("--nproc")
+        del argv[i : i + 2]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(ns.nproc),
+        "--master-port",
+        str(ns.master_port),
+        "-m",
+        "mesp",
+        *argv,
+    ]
+    return subprocess.call(cmd)
 
 
 def _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg) -> dict:  # type: ignore[no-untyped-def]

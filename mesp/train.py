@@ -15,6 +15,7 @@ import torch
 
 from mesp.checkpoint import TrainState, restore, save_state
 from mesp.data_batches import BatchStream, Example, iter_eval_batches
+from mesp.distributed import DataParallel
 from mesp.engines import Engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, save_adapter
@@ -116,7 +117,10 @@ def train(
     base_name: str = "",
     fingerprint: dict[str, Any] | None = None,
     resume: TrainState | None = None,
+    dp: DataParallel | None = None,
 ) -> TrainResult:
+    """Train the model's adapters with `engine`; with `dp`, this process is one data-parallel
+    rank: it computes its slice of each global batch, and only rank 0 evaluates, logs and saves."""
     from mesp.memory_rss import peak_rss_bytes
 
     params = model.lora_parameters()
@@ -128,17 +132,21 @@ def train(
         stream.load_state_dict(resume.stream)
         if resume.engine and hasattr(engine, "load_state_dict"):
             engine.load_state_dict(resume.engine)
+    main = dp is None or dp.is_main
     out_dir.mkdir(parents=True, exist_ok=True)
-    log_f = (out_dir / "log.jsonl").open("a")
-    bar = _progress(cfg, st.step)
+    log_f = (out_dir / "log.jsonl").open("a") if main else None
+    bar = _progress(cfg, st.step) if main else None
     t_start = time.perf_counter()
     stop = _SignalFlag()
 
     def log(row: dict[str, Any]) -> None:
-        log_f.write(json.dumps(row) + "\n")
-        log_f.flush()
+        if log_f is not None:
+            log_f.write(json.dumps(row) + "\n")
+            log_f.flush()
 
     def validate(step: int) -> None:
+        if not main:
+            return
         model.eval()
         v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches)
         st.valid.append({"step": step, **v})
@@ -146,6 +154,8 @@ def train(
 
     def checkpoint() -> None:
         """Adapter and full state together: what a crash right after this line resumes from."""
+        if not main:
+            return
         st.stream = stream.state_dict()
         st.engine = engine.state_dict() if hasattr(engine, "state_dict") else {}
         save_adapter(model, out_dir, lora, base_name)
@@ -166,14 +176,20 @@ def train(
                 log({"step": step, "skipped": "no trained tokens in batch"})
                 st.step = step
                 continue
-            loss = sum(engine.step(model, b, normalizer) for b in micro) / normalizer
+            local = [dp.shard(b) for b in micro] if dp is not None else micro
+            loss_sum = sum(engine.step(model, b, normalizer) for b in local if b is not None)
+            if dp is not None:
+                loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
+                stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)
+            loss = loss_sum / normalizer
             finite = math.isfinite(loss) and all(
                 p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params
             )
             if not finite:
                 opt.zero_grad(set_to_none=True)
                 if not cfg.skip_nonfinite:
-                    save_adapter(model, out_dir, lora, base_name)  # the last good adapter
+                    if main:
+                        save_adapter(model, out_dir, lora, base_name)  # the last good adapter
                     raise MespError(
                         f"non-finite loss or gradient at step {step}; the last good adapter is "
                         f"in {out_dir} (use --skip-nonfinite to skip such batches)"
@@ -226,8 +242,9 @@ def train(
     if not st.valid or st.valid[-1]["step"] != cfg.steps:
         validate(cfg.steps)
     checkpoint()
-    log_f.close()
-    plot_losses(out_dir / "loss.png", st.losses, st.valid)
+    if log_f is not None:
+        log_f.close()
+        plot_losses(out_dir / "loss.png", st.losses, st.valid)
     return TrainResult(
         cfg.steps, st.losses, st.valid, out_dir, peak_rss_bytes(), time.perf_counter() - t_start
     )

@@ -1,0 +1,95 @@
+"""Data-parallel training on torch.distributed (gloo on CPU, NCCL on GPU), launched by torchrun.
+
+Every rank builds the same global batch (same data, same seed) and keeps a disjoint slice of its
+rows. The loss is normalised by the GLOBAL number of trained tokens, which every rank can count
+from the global batch without talking to the others; so each rank's gradient is its share of
+the global mean-loss gradient, and one SUM all-reduce gives exactly the single-process gradient.
+Adapters are small: the gradients travel as one flattened buffer (one bucket), with the loss
+appended as one more element. What does not scale: per-rank memory stays the single-device
+figure (each rank holds the whole model), only throughput and the global batch grow.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mesp.data_batches import Batch
+from mesp.errors import MespError
+
+
+@dataclass
+class DataParallel:
+    rank: int
+    world: int
+
+    def shard(self, batch: Batch) -> Batch | None:
+        """This rank's rows of a global batch (None when it gets none: a short last batch)."""
+        n = batch.input_ids.shape[0]
+        lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
+        if hi <= lo:
+            return None
+        return Batch(batch.input_ids[lo:hi], batch.targets[lo:hi], batch.mask[lo:hi])
+
+    def all_reduce(
+        self, params: list[torch.nn.Parameter], loss_sum: float, stop: int = 0
+    ) -> tuple[float, int]:
+        """Sum gradients, the loss and the stop flags over ranks in one flattened buffer, so
+        every rank takes the same step and stops (on a signal to any rank) at the same step."""
+        ref = params[0]
+        parts = [
+            p.grad.reshape(-1)
+            if p.grad is not None
+            else torch.zeros(p.numel(), dtype=ref.dtype, device=ref.device)
+            for p in params
+        ]
+        tail = torch.tensor([loss_sum, float(stop)], dtype=ref.dtype, device=ref.device)
+        flat = torch.cat([*parts, tail])
+        if flat.dtype != torch.float32 and ref.device.type == "cpu":
+            flat = flat.float()  # gloo's sum is exact enough in fp32; keep bf16 grads honest
+        try:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        except Exception as e:  # gloo/NCCL raise their own types when a peer dies
+            raise MespError(
+                f"rank {self.rank}: lost contact with another rank ({str(e).splitlines()[0]}); "
+                "resume from the last saved state with --resume"
+            ) from None
+        i = 0
+        for p in params:
+            chunk = flat[i : i + p.numel()].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+            i += p.numel()
+        return float(flat[-2]), int(flat[-1] > 0)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def from_env(timeout_s: float = 120.0) -> DataParallel | None:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); None for a single process.
+    A finite timeout makes the survivors fail within `timeout_s` when a rank dies."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise MespError(f"could not join the process group: {str(e).splitlines()[0]}") from None
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return DataParallel(dist.get_rank(), dist.get_world_size())
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
