@@ -12,6 +12,21 @@ from mesp.session import ModelOptions
 from mesp.train import Interrupted
 
 
+def _add_offload_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--offload",
+        default="none",
+        choices=("none", "cpu", "disk"),
+        help="mebp/mesp: keep block checkpoints in memory, host memory, or on disk",
+    )
+    s.add_argument("--offload-dir", default=None, help="directory for --offload disk files")
+    s.add_argument(
+        "--offload-fallback",
+        action="store_true",
+        help="if the offload disk fails or fills, keep checkpoints in memory",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     from mesp.data import DataConfig
     from mesp.engines import ENGINES
@@ -34,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("recompute", "store"),
         help="mesp: recompute LoRA's h = xAᵀ in backward, or store it (ablation)",
     )
+    _add_offload_flags(s)
     s.add_argument("--adapter-out", default="adapters", help="directory for the adapter + logs")
     s.add_argument(
         "--nproc",
@@ -95,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--adapter", default=None, help="adapter to differentiate (default: fresh)")
     s.add_argument("--engine", default="mesp", choices=ENGINES)
     s.add_argument("--h-strategy", default="recompute", choices=("recompute", "store"))
+    _add_offload_flags(s)
     s.add_argument("--data", dest="path", default=None)
     s.add_argument("--seq-len", type=int, default=128)
     s.add_argument("--batch-size", type=int, default=1)

@@ -21,7 +21,14 @@ from mesp.session import ModelOptions, open_model
 
 
 def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
-    return {"h_strategy": ns.h_strategy} if ns.engine == "mesp" else {}
+    opts: dict[str, object] = {}
+    if ns.engine in ("mesp", "mebp") and ns.offload != "none":
+        opts.update(
+            offload=ns.offload, offload_dir=ns.offload_dir, offload_fallback=ns.offload_fallback
+        )
+    if ns.engine == "mesp":
+        opts["h_strategy"] = ns.h_strategy
+    return opts
 
 
 def _tokenizer(loaded):  # type: ignore[no-untyped-def]

@@ -32,7 +32,7 @@ def make_engine(name: str, **opts: object) -> Engine:
     if name == "mebp":
         from mesp.engines.mebp import MeBPEngine
 
-        return MeBPEngine()
+        return MeBPEngine(**opts)  # type: ignore[arg-type]
     if name == "mesp":
         try:
             from mesp.engines.mesp import MeSPEngine

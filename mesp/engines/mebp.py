@@ -11,20 +11,31 @@ import torch
 
 from mesp.data_batches import Batch
 from mesp.engines.loss import ce_sum
+from mesp.engines.offload import CheckpointStore
 from mesp.models.transformer import CausalLM
 
 
 class MeBPEngine:
     name = "mebp"
 
+    def __init__(
+        self, offload: str = "none", offload_dir: str | None = None, offload_fallback: bool = False
+    ) -> None:
+        self.offload = (offload, offload_dir, offload_fallback)
+
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
+        with CheckpointStore(*self.offload) as store:
+            return self._step(model, batch, normalizer, store)
+
+    def _step(
+        self, model: CausalLM, batch: Batch, normalizer: int, store: CheckpointStore
+    ) -> float:
         ids = batch.input_ids
         ctx = model.context(ids.shape[1], ids.device)
-        checkpoints = []
         with torch.no_grad():
             h = model.embed(ids)
-            for block in model.layers:
-                checkpoints.append(h)  # the block's input: all that survives the forward
+            for i, block in enumerate(model.layers):
+                store.put(i, h)  # the block's input: all that survives the forward
                 h = block(h, ctx)
         # The head and loss run with autograd from the last block's output.
         h = h.requires_grad_()
@@ -32,8 +43,10 @@ class MeBPEngine:
         (loss / normalizer).backward()
         g = h.grad
         del h
+        store.prefetch(len(model.layers) - 1)
         for i in range(len(model.layers) - 1, -1, -1):
-            x = checkpoints.pop().requires_grad_(i > 0)  # block 0's input needs no gradient
+            x = store.pop(i).requires_grad_(i > 0)  # block 0's input needs no gradient
+            store.prefetch(i - 1)
             with torch.enable_grad():
                 y = model.layers[i](x, ctx)
             y.backward(g)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mesp.data_batches import Batch
+from mesp.engines.offload import CheckpointStore
 from mesp.errors import MespError
 from mesp.models.linear import Linear
 from mesp.models.transformer import Block, CausalLM, RMSNorm, SeqContext, Tape
@@ -153,23 +154,43 @@ class MeSPEngine:
     name = "mesp"
 
     def __init__(
-        self, h_strategy: str = "recompute", chunk_rows: int = 512, vocab_chunk: int = 8192
+        self,
+        h_strategy: str = "recompute",
+        chunk_rows: int = 512,
+        vocab_chunk: int = 8192,
+        offload: str = "none",
+        offload_dir: str | None = None,
+        offload_fallback: bool = False,
     ) -> None:
         if h_strategy not in H_STRATEGIES:
             raise MespError(f"--h-strategy must be one of {', '.join(H_STRATEGIES)}")
         self.store_h = h_strategy == "store"
         self.chunk_rows, self.vocab_chunk = chunk_rows, vocab_chunk
+        self.offload = (offload, offload_dir, offload_fallback)
 
     @torch.no_grad()
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
         ids = batch.input_ids
         b, s = ids.shape
         ctx = model.context(s, ids.device)
-        checkpoints: list[Tensor] = []
-        h = model.embed(ids)
-        for block in model.layers:
-            checkpoints.append(h)  # block input: the only activation kept across blocks
-            h = block(h, ctx)
+        with CheckpointStore(*self.offload) as store:
+            h = model.embed(ids)
+            for i, block in enumerate(model.layers):
+                store.put(i, h)  # block input: the only activation kept across blocks
+                h = block(h, ctx)
+            return self._loss_and_backward(model, batch, normalizer, ctx, h, store)
+
+    def _loss_and_backward(
+        self,
+        model: CausalLM,
+        batch: Batch,
+        normalizer: int,
+        ctx: SeqContext,
+        h: Tensor,
+        store: CheckpointStore,
+    ) -> float:
+        n_layers = len(model.layers)
+        store.prefetch(n_layers - 1)  # read the last checkpoint back while the loss runs
         norm = model.model.norm
         hn = norm(h)
         vchunk = self.vocab_chunk if self.vocab_chunk < model.config.vocab_size else None
@@ -186,8 +207,9 @@ class MeSPEngine:
         del hn
         g = _norm_bwd(dhn, h, norm)
         del dhn, h
-        for i in range(len(model.layers) - 1, -1, -1):
-            x = checkpoints.pop()
+        for i in range(n_layers - 1, -1, -1):
+            x = store.pop(i)
+            store.prefetch(i - 1)
             g = block_backward(model.layers[i], x, ctx, g, need_dx=i > 0, store_h=self.store_h)
             del x
         return loss.item()
