@@ -28,8 +28,6 @@ from mesp.loading.gguf_tokenizer import tokenizer_from_gguf
 from mesp.tokenizer import Tokenizer
 
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "gemma3": "Gemma3ForCausalLM"}
 # Q5_0/Q5_1 are here because llama.cpp's Q4_K_M mixes use them (Gemma 3 270M has 81 Q5_0 tensors).
 SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
                    QT.Q4_K, QT.Q5_K, QT.Q6_K}
@@ -162,7 +160,7 @@ def _hf_config(meta: dict[str, Any], infos: dict[str, _Info], arch: str, where: 
     # head_dim: explicit key_length (qwen3, gemma3), else rope dims (llama), else hidden/heads.
     head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
     cfg: dict[str, Any] = {
-        "model_type": ARCHS[arch], "architectures": [_HF_CLASS[arch]],
+        "model_type": ARCHS[arch],
         "vocab_size": infos["token_embd.weight"].shape[0],  # rows the model actually has
         "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
@@ -202,19 +200,35 @@ def _hf_config(meta: dict[str, Any], infos: dict[str, _Info], arch: str, where: 
     return cfg
 
 
-def _llama3_rope_scaling(factors: np.ndarray, cfg: dict, where: str) -> dict:
+def _llama3_rope_scaling(factors: np.ndarray, cfg: dict, where: str) -> dict | None:
     """Recover HF's llama3 rope_scaling from llama.cpp's precomputed `rope_freqs` tensor.
 
-    The converter bakes Meta's llama3 formula into per-frequency divisors; we refit Meta's defaults
-    (low 1, high 4, original 8192 -- used by every Llama 3.x) and refuse anything else.
+    The converter bakes Meta's llama3 formula into per-frequency divisors. We try Meta's values
+    (low 1, high 4, original 8192: every Llama 3.x), else fit low/high from the smoothly
+    interpolated band, and accept the result only if it reproduces every stored divisor.
     """
     dim = cfg["head_dim"]
-    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    wavelen, low, high, orig = 2 * math.pi / inv, 1.0, 4.0, 8192
-    factor = float(factors.max())
-    smooth = np.clip((orig / wavelen - low) / (high - low), 0.0, 1.0)
-    expect = 1.0 / ((1 - smooth) / factor + smooth)
-    if factors.shape != expect.shape or not np.allclose(factors, expect, rtol=1e-4):
+    inv_wavelen = 1.0 / cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv_wavelen /= 2 * math.pi
+    factor, orig = float(factors.max()), 8192
+    if factor <= 1.0:
+        return None
+
+    def divisors(low: float, high: float) -> np.ndarray:
+        smooth = np.clip((orig * inv_wavelen - low) / (high - low), 0.0, 1.0)
+        return 1.0 / ((1 - smooth) / factor + smooth)
+
+    low, high = 1.0, 4.0
+    mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if factors.shape == inv_wavelen.shape and not np.allclose(factors, divisors(low, high),
+                                                               rtol=1e-4) and mid.sum() >= 2:
+        # smooth = (orig / wavelen - low) / (high - low) is linear in 1 / wavelen.
+        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, icept = np.polyfit(inv_wavelen[mid], smooth, 1)
+        low = float(-icept * orig / slope)
+        high = low + float(orig / slope)
+    if factors.shape != inv_wavelen.shape or not np.allclose(factors, divisors(low, high),
+                                                             rtol=1e-4):
         raise MespError(f"{where}: rope_freqs tensor does not match Llama 3 rope scaling")
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": orig}
@@ -237,48 +251,52 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
     """Return (hf_config, float32 HF-named tensors, tokenizer) for a llama.cpp GGUF file."""
     where = str(path)
     try:
-        f = open(path, "rb")  # noqa: SIM115 -- closed below; the map outlives nothing
+        with open(path, "rb") as f:
+            if Path(path).stat().st_size == 0:  # mmap cannot map an empty file
+                raise MespError(f"{where}: not a GGUF file (empty)")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise MespError(f"{where}: cannot open: {e.strerror}") from None
-    with f:
-        if Path(path).stat().st_size < 24:
-            raise MespError(f"{where}: not a GGUF file (only {Path(path).stat().st_size} bytes)")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         meta, infos = _parse(buf, where)
         arch = meta.get("general.architecture")
         if arch not in ARCHS:
             raise MespError(f"{where}: general.architecture = {arch!r} is not supported "
                             f"({', '.join(ARCHS)})")
-        cfg = _hf_config(meta, infos, arch, where)
+        try:
+            cfg = _hf_config(meta, infos, arch, where)
+        except (TypeError, ValueError) as e:  # a key holding the wrong kind of value
+            raise MespError(f"{where}: bad metadata value: {e}") from None
         tokenizer = tokenizer_from_gguf(meta, where)
         layer_map = _GEMMA_LAYER if arch == "gemma3" else _LAYER
-        wanted = [f"blk.{i}.{t}.weight" for i in range(cfg["num_hidden_layers"])
-                  for t in _REQUIRED[arch]] + ["output_norm.weight"]
-        wanted += [f"blk.{i}.attn_{x}.bias" for i in range(cfg["num_hidden_layers"])
-                   for x in "qkv" if arch == "qwen2"]
+        n_layers = cfg["num_hidden_layers"]
+        wanted = [f"blk.{i}.{t}.weight" for i in range(n_layers) for t in _REQUIRED[arch]]
+        wanted += [f"blk.{i}.attn_{x}.bias" for i in range(n_layers) for x in "qkv"
+                   if arch == "qwen2"] + ["output_norm.weight"]
         if missing := [n for n in wanted if n not in infos]:
             raise MespError(f"{where}: missing tensor '{missing[0]}' ({len(missing)} missing)")
+        plan: dict[str, str] = {}  # GGUF name -> HF name, checked before any dequantizing
+        for name in infos:
+            blk, layer, leaf = (name.split(".", 2) + ["", ""])[:3]
+            if name in _GLOBAL:
+                plan[name] = _GLOBAL[name]
+            elif blk == "blk" and layer.isdigit() and int(layer) < n_layers and leaf in layer_map:
+                plan[name] = f"model.layers.{layer}.{layer_map[leaf]}"
+            elif name != "rope_freqs.weight" or arch != "llama":
+                raise MespError(f"{where}: unexpected tensor '{name}' for architecture {arch}")
         tensors: dict[str, torch.Tensor] = {}
-        for name, info in infos.items():
+        for name, info in infos.items():  # one at a time: peak memory is one tensor's copy
             raw = np.frombuffer(buf, np.uint8, info.nbytes, info.start)
             values = dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)),
                                 info.qtype)
             if np.may_share_memory(values, raw):  # F32 dequantizes to a view of the map
                 values = values.copy()
             del raw
-            if name == "rope_freqs.weight" and arch == "llama":
+            if name not in plan:  # rope_freqs: Llama 3 rope scaling, folded into the config
                 cfg["rope_scaling"] = _llama3_rope_scaling(values.astype(np.float64), cfg, where)
                 continue
-            parts = name.split(".", 2)
-            if name in _GLOBAL:
-                hf = _GLOBAL[name]
-            elif parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_map:
-                hf = f"model.layers.{parts[1]}.{layer_map[parts[2]]}"
-            else:
-                raise MespError(f"{where}: unexpected tensor '{name}' for architecture {arch}")
             values = _undo_converter(name, values, arch, cfg, where)
-            tensors[hf] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            tensors[plan[name]] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         return cfg, tensors, tokenizer
     finally:
         try:

@@ -157,6 +157,16 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], where: str) -> Tokenizer:
     typed = list(zip(tokens, types, strict=True))
     ids = {k: _special_id(meta, f"{k}_token_id", len(tokens), where)
            for k in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+    try:
+        return _build(meta, model, tokens, typed, ids, where)
+    except Exception as e:  # `tokenizers` raises bare Exceptions on bad vocab/merges
+        if isinstance(e, MespError):
+            raise
+        raise MespError(f"{where}: cannot build the tokenizer: {e}") from None
+
+
+def _build(meta: Mapping[str, Any], model: str, tokens: list[str],
+           typed: list[tuple[str, int]], ids: dict[str, int | None], where: str) -> Tokenizer:
     if model == "gpt2":
         backend = _byte_level(meta, tokens, where)
         spelled = set(_bytes_to_unicode().values())
