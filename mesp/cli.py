@@ -1,4 +1,5 @@
-"""`mesp info | train | eval | generate | grad`: thin; flags are dataclass fields."""
+"""`mesp info | train | eval | generate | grad | export | run-artifacts | plan | bench`: thin;
+flags are dataclass fields."""
 
 from __future__ import annotations
 
@@ -117,7 +118,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=1)
     s.add_argument("--rank", type=int, default=8)
     s.add_argument("--out", required=True, help="output .safetensors")
+    _add_extensions(sub)
     return p
+
+
+def _add_extensions(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Commands whose parsers live beside their code; each sets `run` on its namespace."""
+    from mesp import export_cli
+
+    export_cli.add_parser(sub)
+    for name in ("export", "run-artifacts"):
+        sub.choices[name].set_defaults(run=export_cli.run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             apply_config_defaults(train_parser, argv[1:])
         ns = parser.parse_args(argv)
         ns.argv = argv
+        if hasattr(ns, "run"):
+            return int(ns.run(ns))
         from mesp import commands
 
         return getattr(commands, f"cmd_{ns.cmd}")(ns)

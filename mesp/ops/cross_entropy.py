@@ -95,6 +95,8 @@ def _sliced_head(
             m_new = torch.maximum(mc, z.amax(-1))
             sc.mul_((mc - m_new).exp_()).add_(z.sub_(m_new[:, None]).exp_().sum(-1))
             mc.copy_(m_new)
+            del z  # free this chunk's logits before the next is formed
+        del w  # and this slice before the next is dequantized
     lse = m.add_(s.log_())
     loss = (lse - tz).sum()
     if norm is None:
@@ -107,6 +109,8 @@ def _sliced_head(
             z, t = _logits(hs[r0 : r0 + rows], w, cap, ct)
             p = _dlogits(z, t, lse[r0 : r0 + rows], local[r0 : r0 + rows], norm)
             acc[r0 : r0 + rows] += p.to(w.dtype) @ w  # (c, v)(v, D)
+            del z, t, p
+        del w
     return loss, acc.to(hs.dtype)
 
 

@@ -1,0 +1,60 @@
+"""`mesp export` (artifacts for the model-free runner) and `mesp run-artifacts` (that runner)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mesp.cli_args import add_dataclass_args, from_args
+from mesp.errors import MespError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from mesp import runner
+    from mesp.export import ExportOptions
+    from mesp.lora import LoraConfig
+    from mesp.session import ModelOptions
+
+    s = sub.add_parser(
+        "export", help="per-block weights + torch.export programs for `mesp run-artifacts`"
+    )
+    s.add_argument("--out", required=True, help="artifact directory (must not exist or be empty)")
+    s.add_argument("--adapter", default=None, help="start from this PEFT adapter (default: fresh)")
+    s.add_argument("--seed", type=int, default=0, help="seed of a fresh adapter's init")
+    add_dataclass_args(s, ModelOptions)
+    add_dataclass_args(s, LoraConfig)
+    add_dataclass_args(s, ExportOptions)
+
+    r = sub.add_parser(
+        "run-artifacts", help="train LoRA from `mesp export` artifacts (no model code)"
+    )
+    runner.add_arguments(r)
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.cmd == "run-artifacts":
+        from mesp import runner
+
+        return runner.run_cli(ns)
+    if ns.cmd != "export":
+        raise MespError(f"unknown command {ns.cmd!r}")
+    from mesp.export import ExportOptions, export_model
+    from mesp.lora import LoraConfig, apply_lora, load_adapter
+    from mesp.session import ModelOptions, open_model
+
+    opts = from_args(ExportOptions, ns)
+    loaded = open_model(from_args(ModelOptions, ns), seed=ns.seed)
+    if ns.adapter:
+        load_adapter(loaded.model, Path(ns.adapter))
+    else:
+        apply_lora(loaded.model, from_args(LoraConfig, ns), seed=ns.seed)
+    conf = export_model(loaded.model, Path(ns.out), opts, base_name=loaded.source)
+    fns = conf["functions"]
+    progs = [fns["embed"], fns["loss"]] + [
+        g[k] for g in fns["blocks"].values() for k in ("forward", "recompute", "backward")
+    ]
+    line = f"exported {ns.out}: {len(conf['blocks'])} blocks, {len(progs)} programs"
+    if opts.pte:
+        line += f", {sum('pte' in p for p in progs)} lowered to .pte"
+    print(f"{line}; export id {conf['export_id']}")
+    return 0

@@ -1,0 +1,394 @@
+"""Pure functions of one block, the embedding and the loss, for `torch.export` (see mesp.export).
+
+Every tensor is an argument: frozen weights, LoRA weights, activations, RoPE tables and the mask.
+Only shapes, dtypes and family flags are baked in, so one captured graph serves every block of
+the same layer type. Each function replays exactly the ops of the in-process path (Block.forward,
+Linear.forward, mesp.engines.mesp.block_backward, mesp.ops.cross_entropy), in the same order and
+dtypes, so an exported run reproduces the engine bit for bit. Dictionaries map names to tensors:
+  weights  the block's state-dict keys without the `model.layers.{i}.` prefix and without LoRA
+  lora     "{linear}.lora_A" (r, in), "{linear}.lora_B" (out, r)
+  ctx      "cos", "sin" (S, D) and, for sliding-window layers shorter than S, "mask" (S, S) additive
+  saved    what the hand backward needs (mesp/engines/mesp.py's tape): n1 q k v o lse gate up x2
+           n2, plus q_lin k_lin (q/k norms) and a d (sandwich norms)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
+from mesp.ops.attention import attention, attention_bwd, attention_fwd
+from mesp.ops.cross_entropy import _dlogits, _logits
+from mesp.ops.lora_linear import lora_linear_backward
+from mesp.ops.mlp import gated_act, gated_act_backward
+from mesp.ops.norm import rms_norm, rms_norm_backward
+from mesp.ops.rope import apply_rope, apply_rope_backward
+from mesp.quant import QuantSpec, dequantize
+
+Tensors = dict[str, Tensor]
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """How one frozen (out, in) matrix is stored: dense, or packed words + scales + biases."""
+
+    prefix: str  # "self_attn.q_proj", "embed_tokens", …
+    quant: QuantSpec | None
+    bias: bool = False
+    lora_scale: float | None = None  # None: no adapter on this linear
+
+
+def dense(w: Tensors, ws: WeightSpec, dtype: torch.dtype | None) -> Tensor:
+    """The (out, in) matrix in dtype, as FrozenWeight.dense: a fresh temporary when packed."""
+    p = ws.prefix
+    if ws.quant is None:
+        return w[f"{p}.weight"] if dtype is None else w[f"{p}.weight"].to(dtype)
+    return dequantize(w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"], ws.quant, dtype)
+
+
+def rows(w: Tensors, ws: WeightSpec, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+    """Rows start:stop (a vocabulary slice of the head), as FrozenWeight.rows."""
+    p = ws.prefix
+    if ws.quant is None:
+        return w[f"{p}.weight"][start:stop]
+    sl = [w[f"{p}.{k}"][start:stop] for k in ("weight", "scales", "biases")]
+    return dequantize(sl[0], sl[1], sl[2], ws.quant, dtype)
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Everything about a block that is not a tensor: the constants of its captured graphs."""
+
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    attn_scale: float
+    eps: float
+    norm_offset: float
+    act: str
+    sandwich: bool
+    qk_norm: bool
+    masked: bool  # ctx carries an explicit (sliding-window) mask; else plain causal
+    linears: tuple[tuple[str, WeightSpec], ...]  # ("q_proj", spec) for the 7 projections
+
+    def lin(self, name: str) -> WeightSpec:
+        return dict(self.linears)[name]
+
+    @classmethod
+    def of(cls, model: CausalLM, block: Block, masked: bool) -> BlockSpec:
+        cfg, spec, at = model.config, model.spec, block.self_attn
+        lins = []
+        for name in LORA_TARGETS:
+            mod = getattr(at if PARENT[name] == "self_attn" else block.mlp, name)
+            scale = mod.lora_scale if mod.lora_A is not None else None
+            ws = WeightSpec(f"{PARENT[name]}.{name}", mod.quant, mod.bias is not None, scale)
+            lins.append((name, ws))
+        return cls(
+            at.n_heads,
+            at.n_kv,
+            at.head_dim,
+            at.scale,
+            cfg.rms_norm_eps,
+            spec.norm_offset,
+            spec.activation,
+            spec.sandwich_norms,
+            spec.qk_norm,
+            masked,
+            tuple(lins),
+        )
+
+
+# ---- the block forward: Block.forward / Attention.forward / MLP.forward, tensors as arguments ----
+
+
+def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> Tensor:
+    """Linear.forward: y = x Wᵀ (+ b) (+ s·(x Aᵀ) Bᵀ), the same ops in the same order."""
+    ws = bs.lin(name)
+    y = F.linear(x, dense(w, ws, x.dtype))
+    if ws.bias:
+        y = y + w[f"{ws.prefix}.bias"]
+    if ws.lora_scale is not None:
+        a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
+        y = y + ws.lora_scale * F.linear(F.linear(x, a), b)
+    return y
+
+
+def _norm(bs: BlockSpec, x: Tensor, w: Tensors, name: str) -> Tensor:
+    return rms_norm(x, w[f"{name}.weight"], bs.eps, bs.norm_offset)
+
+
+def block_forward(
+    bs: BlockSpec, w: Tensors, lora: Tensors, x: Tensor, ctx: Tensors, tape: Tensors | None
+) -> Tensor:
+    """x (B, S, hidden) -> (B, S, hidden); with a `tape`, records the saved tensors."""
+    b, s, _ = x.shape
+    mask = ctx.get("mask")
+    n1 = _norm(bs, x, w, "input_layernorm")
+    q = _linear(bs, "q_proj", n1, w, lora).view(b, s, bs.n_heads, bs.head_dim).transpose(1, 2)
+    k = _linear(bs, "k_proj", n1, w, lora).view(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
+    v = _linear(bs, "v_proj", n1, w, lora).view(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
+    if bs.qk_norm:
+        if tape is not None:
+            tape["q_lin"], tape["k_lin"] = q, k
+        q, k = _norm(bs, q, w, "self_attn.q_norm"), _norm(bs, k, w, "self_attn.k_norm")
+    q, k = apply_rope(q, ctx["cos"], ctx["sin"]), apply_rope(k, ctx["cos"], ctx["sin"])
+    if tape is not None:
+        o, tape["lse"] = attention_fwd(q, k, v, bs.attn_scale, mask)
+        tape.update(q=q, k=k, v=v, o=o)
+    else:
+        o = attention(q, k, v, bs.attn_scale, mask)
+    a = _linear(bs, "o_proj", o.transpose(1, 2).reshape(b, s, bs.n_heads * bs.head_dim), w, lora)
+    if bs.sandwich:
+        x2 = x + _norm(bs, a, w, "post_attention_layernorm")
+        n2 = _norm(bs, x2, w, "pre_feedforward_layernorm")
+    else:
+        x2 = x + a
+        n2 = _norm(bs, x2, w, "post_attention_layernorm")
+    gate, up = _linear(bs, "gate_proj", n2, w, lora), _linear(bs, "up_proj", n2, w, lora)
+    if tape is not None:
+        tape["gate"], tape["up"] = gate, up
+    d = _linear(bs, "down_proj", gated_act(gate, up, bs.act), w, lora)
+    y = x2 + _norm(bs, d, w, "post_feedforward_layernorm") if bs.sandwich else x2 + d
+    if tape is not None:
+        tape.update(n1=n1, x2=x2, n2=n2)
+        if bs.sandwich:
+            tape.update(a=a, d=d)
+    return y
+
+
+# ---- the block backward: mesp.engines.mesp.block_backward with weights as arguments ----
+
+
+def _lin_bwd(
+    bs: BlockSpec, name: str, dy: Tensor, x: Tensor, w: Tensors, lora: Tensors, grads: Tensors
+) -> Tensor:
+    """dx of one linear; its adapter gradients (if any) go into `grads` (fresh zeros + addmm_,
+    exactly the engine's first accumulation into a None .grad)."""
+    ws = bs.lin(name)
+    if ws.lora_scale is None:
+        return dy @ dense(w, ws, dy.dtype)
+    a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
+    ga, gb = torch.zeros_like(a), torch.zeros_like(b)
+    grads[f"{ws.prefix}.lora_A"], grads[f"{ws.prefix}.lora_B"] = ga, gb
+    dx = lora_linear_backward(dy, x, lambda dt: dense(w, ws, dt), a, b, ws.lora_scale, ga, gb)
+    assert dx is not None
+    return dx
+
+
+def block_backward(
+    bs: BlockSpec, saved: Tensors, dy: Tensor, x: Tensor, w: Tensors, lora: Tensors, ctx: Tensors
+) -> tuple[Tensor, Tensors]:
+    """dy (B, S, hidden) at the block output -> (dx at its input, LoRA gradients)."""
+    saved, grads = dict(saved), {}
+    nb = lambda g, xx, name: rms_norm_backward(g, xx, w[f"{name}.weight"], bs.eps, bs.norm_offset)  # noqa: E731
+    dd = nb(dy, saved.pop("d"), "post_feedforward_layernorm") if bs.sandwich else dy
+    gate, up = saved.pop("gate"), saved.pop("up")
+    dm = _lin_bwd(bs, "down_proj", dd, gated_act(gate, up, bs.act), w, lora, grads)
+    del dd
+    dgate, dup = gated_act_backward(dm, gate, up, bs.act)
+    del dm, gate, up
+    n2 = saved.pop("n2")
+    dn2 = _lin_bwd(bs, "gate_proj", dgate, n2, w, lora, grads)
+    del dgate
+    dn2 += _lin_bwd(bs, "up_proj", dup, n2, w, lora, grads)
+    del dup, n2
+    norm2 = "pre_feedforward_layernorm" if bs.sandwich else "post_attention_layernorm"
+    dx2 = dy + nb(dn2, saved.pop("x2"), norm2)
+    del dn2, dy
+
+    da = nb(dx2, saved.pop("a"), "post_attention_layernorm") if bs.sandwich else dx2
+    o = saved.pop("o")
+    b, h, s, d = o.shape
+    do = _lin_bwd(bs, "o_proj", da, o.transpose(1, 2).reshape(b, s, h * d), w, lora, grads)
+    del da
+    dq, dk, dv = attention_bwd(
+        do.view(b, s, h, d).transpose(1, 2),
+        saved.pop("q"),
+        saved.pop("k"),
+        saved.pop("v"),
+        o,
+        saved.pop("lse"),
+        bs.attn_scale,
+        ctx.get("mask"),
+    )
+    del do, o
+    dq = apply_rope_backward(dq, ctx["cos"], ctx["sin"])
+    dk = apply_rope_backward(dk, ctx["cos"], ctx["sin"])
+    if bs.qk_norm:
+        dq = nb(dq, saved.pop("q_lin"), "self_attn.q_norm")
+        dk = nb(dk, saved.pop("k_lin"), "self_attn.k_norm")
+    n1 = saved.pop("n1")
+
+    def flat(g: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, H·D)
+        return g.transpose(1, 2).reshape(b, s, -1)
+
+    dn1 = _lin_bwd(bs, "q_proj", flat(dq), n1, w, lora, grads)
+    del dq
+    dk_in = _lin_bwd(bs, "k_proj", flat(dk), n1, w, lora, grads)
+    del dk
+    dv_in = _lin_bwd(bs, "v_proj", flat(dv), n1, w, lora, grads)
+    del dv, n1
+    dn1 += dk_in
+    dn1 += dv_in
+    del dk_in, dv_in
+    return dx2.add_(nb(dn1, x, "input_layernorm")), grads
+
+
+# ---- embedding and loss ----
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """The embedding, final norm and head: storage and the family's constants."""
+
+    embed: WeightSpec
+    head: WeightSpec  # == embed when tied
+    dtype: torch.dtype
+    embed_scale: float | None  # Gemma: × √hidden
+    eps: float
+    norm_offset: float
+    softcap: float | None
+    vocab_chunk: int | None  # head slices of this many rows (None: whole head at once)
+    vocab: int
+
+
+def embed(es: EdgeSpec, w: Tensors, ids: Tensor) -> Tensor:
+    """ids (B, S) -> (B, S, hidden), as CausalLM.embed (FrozenWeight.gather); ids are checked
+    by the caller (a data-dependent check cannot be captured)."""
+    p = es.embed.prefix
+    if es.embed.quant is None:
+        h = F.embedding(ids, w[f"{p}.weight"])
+    else:
+        flat = ids.reshape(-1)
+        sel = [w[f"{p}.{k}"].index_select(0, flat) for k in ("weight", "scales", "biases")]
+        h = dequantize(sel[0], sel[1], sel[2], es.embed.quant, None)
+        h = h.view(*ids.shape, h.shape[-1])
+    h = h.to(es.dtype)
+    if es.embed_scale is not None:
+        h = h * torch.tensor(es.embed_scale, dtype=es.dtype)
+    return h
+
+
+def _whole_head(
+    es: EdgeSpec, w: Tensors, hs: Tensor, tgt: Tensor, norm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """cross_entropy._whole_head for one row chunk holding every trained row."""
+    ct = torch.promote_types(hs.dtype, torch.float32)
+    wd = dense(w, es.head, hs.dtype)
+    loss = torch.zeros((), dtype=ct, device=hs.device)
+    z, t = _logits(hs, wd, es.softcap, ct)
+    lse = torch.logsumexp(z, -1)
+    loss += (lse - z.gather(1, tgt[:, None]).squeeze(1)).sum()
+    return loss, _dlogits(z, t, lse, tgt, norm).to(wd.dtype) @ wd  # type: ignore[arg-type]
+
+
+def _sliced_head(
+    es: EdgeSpec, w: Tensors, hs: Tensor, tgt: Tensor, norm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """cross_entropy._sliced_head for one row chunk: online logsumexp over vocabulary slices,
+    then a second pass for dhs."""
+    ct = torch.promote_types(hs.dtype, torch.float32)
+    assert es.vocab_chunk is not None
+    m = torch.full((hs.shape[0],), -torch.inf, dtype=ct, device=hs.device)
+    s, tz = torch.zeros_like(m), torch.zeros_like(m)
+    slices = [(v0, min(v0 + es.vocab_chunk, es.vocab)) for v0 in range(0, es.vocab, es.vocab_chunk)]
+    for v0, v1 in slices:
+        ws = rows(w, es.head, v0, v1, hs.dtype).to(hs.dtype)
+        local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
+        z, _ = _logits(hs, ws, es.softcap, ct)
+        hit = (local >= 0).nonzero().squeeze(1)
+        tz[hit] = z[hit, local[hit]]
+        m_new = torch.maximum(m, z.amax(-1))
+        s.mul_((m - m_new).exp_()).add_(z.sub_(m_new[:, None]).exp_().sum(-1))
+        m.copy_(m_new)
+    lse = m.add_(s.log_())
+    loss = (lse - tz).sum()
+    acc = torch.zeros(hs.shape, dtype=ct, device=hs.device)
+    for v0, v1 in slices:
+        ws = rows(w, es.head, v0, v1, hs.dtype).to(hs.dtype)
+        local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
+        z, t = _logits(hs, ws, es.softcap, ct)
+        acc += _dlogits(z, t, lse, local, norm).to(ws.dtype) @ ws  # type: ignore[arg-type]
+    return loss, acc.to(hs.dtype)
+
+
+def loss_and_grad(
+    es: EdgeSpec, w: Tensors, h: Tensor, ids: Tensor, tgt: Tensor, norm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Final norm + head + CE. h (B, S, hidden) last block output; ids (n,) flat indices of the
+    trained rows, tgt (n,) their targets; norm: the loss normalizer (0-d, h.dtype).
+    -> (summed loss (0-d fp32), d(loss_sum / norm)/dh (B, S, hidden))."""
+    hn = rms_norm(h, w["norm.weight"], es.eps, es.norm_offset)
+    h2 = hn.reshape(-1, hn.shape[-1])
+    hs = h2.index_select(0, ids)
+    if es.vocab_chunk is None:
+        loss, dhs = _whole_head(es, w, hs, tgt, norm)
+    else:
+        loss, dhs = _sliced_head(es, w, hs, tgt, norm)
+    dhn = torch.zeros_like(h2).index_copy_(0, ids, dhs).view(h.shape)
+    return loss, rms_norm_backward(dhn, h, w["norm.weight"], es.eps, es.norm_offset)
+
+
+# ---- nn.Module wrappers: what torch.export captures ----
+
+
+class BlockForward(nn.Module):
+    """(weights, lora, x, ctx) -> y, or (y, saved) when `saved`."""
+
+    def __init__(self, bs: BlockSpec, saved: bool) -> None:
+        super().__init__()
+        self.bs, self.saved = bs, saved
+
+    def forward(self, weights: Tensors, lora: Tensors, x: Tensor, ctx: Tensors):  # type: ignore[no-untyped-def]
+        if not self.saved:
+            return block_forward(self.bs, weights, lora, x, ctx, None)
+        tape: Tensors = {}
+        y = block_forward(self.bs, weights, lora, x, ctx, tape)
+        return y, dict(sorted(tape.items()))
+
+
+class BlockBackward(nn.Module):
+    """(saved, dy, x, weights, lora, ctx) -> (dx, lora grads)."""
+
+    def __init__(self, bs: BlockSpec) -> None:
+        super().__init__()
+        self.bs = bs
+
+    def forward(  # type: ignore[no-untyped-def]
+        self, saved: Tensors, dy: Tensor, x: Tensor, weights: Tensors, lora: Tensors, ctx: Tensors
+    ):
+        dx, grads = block_backward(self.bs, saved, dy, x, weights, lora, ctx)
+        return dx, dict(sorted(grads.items()))
+
+
+class Embed(nn.Module):
+    def __init__(self, es: EdgeSpec) -> None:
+        super().__init__()
+        self.es = es
+
+    def forward(self, weights: Tensors, ids: Tensor) -> Tensor:
+        return embed(self.es, weights, ids)
+
+
+class LossAndGrad(nn.Module):
+    def __init__(self, es: EdgeSpec) -> None:
+        super().__init__()
+        self.es = es
+
+    def forward(  # type: ignore[no-untyped-def]
+        self, weights: Tensors, h: Tensor, ids: Tensor, tgt: Tensor, norm: Tensor
+    ):
+        return loss_and_grad(self.es, weights, h, ids, tgt, norm)

@@ -1,0 +1,283 @@
+"""`mesp export` + `mesp.runner`: the model-free runner trains exactly as the in-process engine.
+
+On a tiny model of each family: 20 SGD steps from the artifacts give the engine's losses and its
+final adapter; a runner copied out of the package trains in a process where `import mesp` fails;
+bad artifacts are one line and exit code 2 with no adapter written; the runner's peak working
+memory is at most the engine's, with at most one block's frozen weights resident.
+Exporting and loading programs takes seconds each, so artifacts are shared per module.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mesp import runner
+from mesp.data_batches import Example, collate
+from mesp.engines import make_engine
+from mesp.export import ExportOptions, export_model
+from mesp.lora import load_adapter
+from mesp.memory_tracker import LiveTensorTracker, adapter_tensors
+from mesp.quant import QuantSpec
+from tests.engine_cases import model_with_adapter
+
+S, B, STEPS, LR, VOCAB = 12, 2, 20, 0.05, 211
+CASES = {  # family -> (base quantization, loss vocabulary slice: None = whole head)
+    "qwen2": (QuantSpec(4, 32), None),  # the paper's family: 4-bit, tied head, q/k/v bias
+    "llama": (None, None),
+    "qwen3": (None, 64),  # q/k norms; the head in vocabulary slices (online logsumexp)
+    "gemma3": (QuantSpec(4, 32), 64),  # sandwich norms, sliding-window mask (window 5 < S)
+}
+SLOW = {"llama", "qwen3", "gemma3"}  # qwen2 runs in the fast suite
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """On a shared 2-core machine OpenMP spin-waits make these tiny ops ~30x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rows(n: int = 5, seed: int = 1) -> list[tuple[list[int], list[int]]]:
+    """Rows of S + 1 tokens with a 4-token untrained prompt."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, VOCAB, (S + 1,), generator=g).tolist(), [0] * 4 + [1] * (S - 3))
+        for _ in range(n)
+    ]
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _write_jsonl(path: Path, rows: list[tuple[list[int], list[int]]]) -> Path:
+    path.write_text("".join(json.dumps({"input_ids": i, "loss_mask": m}) + "\n" for i, m in rows))
+    return path
+
+
+class _Case:
+    def __init__(self, family: str, root: Path) -> None:
+        quant, vchunk = CASES[family]
+        self.family, self.vchunk = family, vchunk or 8192
+        self.model = model_with_adapter(family, quant)
+        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.dir = root / f"art_{family}"
+        export_model(self.model, self.dir, ExportOptions(S, B, self.vchunk))
+        self.art = runner.Artifacts(self.dir)
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.init[n])
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root, made = tmp_path_factory.mktemp("export"), {}
+
+    def get(family: str) -> _Case:
+        if family not in made:
+            made[family] = _Case(family, root)
+        return made[family]
+
+    return get
+
+
+def _engine_run(case: _Case, rows, steps: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """The reference: the in-process mesp engine and torch SGD, batches in the runner's order."""
+    case.reset()
+    eng = make_engine("mesp", vocab_chunk=case.vchunk)
+    opt = torch.optim.SGD(case.model.lora_parameters(), lr=LR)
+    losses = []
+    for k in range(steps):
+        picked = [rows[(k * B + j) % len(rows)] for j in range(B)]
+        batch = collate([Example(ids, mask) for ids, mask in picked])
+        n = batch.n_tokens
+        losses.append(eng.step(case.model, batch, n) / n)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in CASES]
+)
+def test_runner_trains_like_the_engine(cases, family: str) -> None:  # type: ignore[no-untyped-def]
+    case, rows = cases(family), _rows()
+    trainer, losses = runner.train(case.art, rows, runner.RunConfig(STEPS, LR))
+    ref = _engine_run(case, rows, STEPS)
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= 1e-6, (losses, ref)
+    assert losses[-1] < losses[0]  # it learned something
+    params = dict(case.model.named_parameters())
+    for i, lora in enumerate(trainer.lora):
+        for k, p in lora.items():
+            torch.testing.assert_close(p, params[f"model.layers.{i}.{k}"], rtol=0, atol=1e-6)
+    # Frozen weights resident: embedding + final norm (+ untied head) + one block, never two.
+    one_block = max(_nbytes(load_file(case.dir / b["file"])) for b in case.art.conf["blocks"])
+    edge = _nbytes(case.art.embed_w) + _nbytes(case.art.head_w)
+    assert case.art.peak_resident_bytes == edge + one_block
+
+
+def test_runner_runs_without_the_mesp_package(cases, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A copy of runner.py, python -S (no site, so no editable-install hook), a clean cwd and a
+    sys.path of that copy + site-packages only: `import mesp` must fail, training must not."""
+    case, rows = cases("qwen2"), _rows()
+    solo, cwd = tmp_path / "solo", tmp_path / "cwd"
+    solo.mkdir()
+    cwd.mkdir()
+    shutil.copy(Path(runner.__file__), solo / "runner.py")
+    data, out = _write_jsonl(tmp_path / "train.jsonl", rows), tmp_path / "adapter"
+    boot = (
+        "import sys\n"
+        "try:\n    import mesp\nexcept ImportError:\n    pass\n"
+        "else:\n    sys.exit('mesp is importable')\n"
+        "import runner\n"
+        "rc = runner.main(sys.argv[1:])\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'mesp'], 'mesp was imported'\n"
+        "sys.exit(rc)\n"
+    )
+    site = sysconfig.get_paths()["purelib"]
+    env = {"PYTHONPATH": f"{solo}:{site}", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    argv = [str(case.dir), "--data", str(data), "--steps", "3", "--lr", str(LR), "--out", str(out)]
+    r = subprocess.run(
+        [sys.executable, "-S", "-c", boot, *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    printed = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("step")]
+    ref = _engine_run(case, rows, 3)
+    assert max(abs(a - b) for a, b in zip(printed, ref, strict=True)) <= 1e-6
+    # The adapter is PEFT-format; attached to a fresh model it holds the engine's weights.
+    fresh = model_with_adapter("qwen2", CASES["qwen2"][0])
+    load_adapter(fresh, out)
+    want = dict(case.model.named_parameters())
+    for n, p in fresh.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=0, atol=1e-6)
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"]
+
+
+def test_runner_imports_only_torch_safetensors_and_stdlib() -> None:
+    import ast
+
+    tree = ast.parse(Path(runner.__file__).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    third_party = {m.split(".")[0] for m in names} - set(sys.stdlib_module_names)
+    assert third_party == {"torch", "safetensors"}, third_party
+
+
+def _fails(argv: list[str], capsys, name: str, out: Path) -> None:  # type: ignore[no-untyped-def]
+    assert runner.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and name in err, err
+    assert not out.exists()  # no partial adapter
+
+
+def test_bad_artifacts_one_line_exit_2(cases, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    case = cases("qwen2")
+    data, out = _write_jsonl(tmp_path / "d.jsonl", _rows(2)), tmp_path / "adapter"
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(case.dir, tmp_path / name))
+
+    def argv(d: Path, data: Path = data) -> list[str]:
+        return [str(d), "--data", str(data), "--steps", "2", "--out", str(out)]
+
+    d = copy("missing")
+    (d / "blocks/block_001.safetensors").unlink()
+    _fails(argv(d), capsys, "block_001.safetensors", out)
+
+    d = copy("shapes")  # right export id, a tensor of the wrong shape
+    p = d / "blocks/block_000.safetensors"
+    with safe_open(str(p), framework="pt") as f:
+        meta = f.metadata()
+    w = load_file(p)
+    w["input_layernorm.weight"] = torch.ones(5)
+    save_file(w, str(p), metadata=meta)
+    _fails(argv(d), capsys, "block_000.safetensors", out)
+
+    d = copy("mixed")  # the config of an export for another sequence length (ids differ)
+    conf = json.loads((d / "run_config.json").read_text())
+    conf.update(seq_len=S + 2, export_id="0" * 32)
+    (d / "run_config.json").write_text(json.dumps(conf))
+    _fails(argv(d), capsys, "safetensors", out)  # names the first file it checks
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 99999]}\n')
+    _fails(argv(case.dir, bad), capsys, f"{bad}:2", out)
+    _fails(argv(tmp_path / "nowhere"), capsys, "nowhere", out)
+
+
+def test_runner_peak_working_memory_at_most_the_engines(cases) -> None:  # type: ignore[no-untyped-def]
+    """Exact live-tensor accounting of one warm step each: weights / adapter / working."""
+    case, rows = cases("qwen2"), _rows()
+    batch = collate([Example(i, m) for i, m in rows[:B]])
+
+    case.reset()
+    eng, model = make_engine("mesp", vocab_chunk=case.vchunk), case.model
+    eng.step(model, batch, batch.n_tokens)  # warm-up: grads exist, as in training
+    tr = LiveTensorTracker()
+    tr.register(model.buffers(), "weights")
+    tr.register(adapter_tensors(model.lora_parameters()), "adapter")
+    with tr:
+        eng.step(model, batch, batch.n_tokens)
+    ref = tr.breakdown()
+
+    trk = LiveTensorTracker()
+    art = case.art  # programs already loaded
+    art.on_load = lambda w: trk.register(w.values(), "weights")
+    trk.register([*art.embed_w.values(), *art.head_w.values()], "weights")
+    trainer = runner.Trainer(art, load_file(case.dir / "lora_init.safetensors"))
+    ids, tgt, mask = runner.make_batch(rows[:B], B, S)
+    trainer.step(ids, tgt, mask)
+    trk.register(adapter_tensors(trainer.parameters()), "adapter")
+    trk.reset_peak()
+    try:
+        with trk:
+            trainer.step(ids, tgt, mask)
+    finally:
+        art.on_load = None
+    got = trk.breakdown()
+    assert got["working"] <= ref["working"], (got, ref)
+    one_block = max(_nbytes(load_file(case.dir / b["file"])) for b in art.conf["blocks"])
+    assert got["weights"] <= _nbytes(art.embed_w) + _nbytes(art.head_w) + one_block
+    assert got["weights"] < ref["weights"]
+
+
+@pytest.mark.slow
+def test_cli_export_then_run_artifacts(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`mesp export` on an HF directory, then `mesp run-artifacts` on what it wrote."""
+    import argparse
+
+    from mesp import export_cli
+    from tests.tiny_dir import make_model_dir
+
+    parser = argparse.ArgumentParser(prog="mesp")
+    export_cli.add_parser(parser.add_subparsers(dest="cmd", required=True))
+    model, art = make_model_dir(tmp_path / "hf"), tmp_path / "art"
+    flags = "--quantize 4 --group-size 32 --seq-len 8 --rank 2".split()
+    ns = parser.parse_args(["export", "--model", str(model), "--out", str(art), *flags])
+    assert export_cli.run(ns) == 0
+    assert "export id" in capsys.readouterr().out
+    rows = [([i % 300 for i in range(k, k + 9)], [1] * 9) for k in range(3)]
+    data, out = _write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "adapter"
+    argv = ["run-artifacts", str(art), "--data", str(data), "--steps", "2", "--out", str(out)]
+    assert export_cli.run(parser.parse_args(argv)) == 0
+    assert (out / "adapter_model.safetensors").exists()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
