@@ -57,8 +57,12 @@ def save_state(path: Path, model: CausalLM, opt: torch.optim.Optimizer, st: Trai
     tensors = capture(model, opt, st)
     meta = {
         k: getattr(st, k)
-        for k in ("step", "stream", "losses", "valid", "engine", "fingerprint", "param_groups")
+        for k in ("step", "stream", "losses", "valid", "fingerprint", "param_groups")
     }
+    # engine state (e.g. mezo's seed stream): tensors go to the file body, the rest to JSON
+    meta["engine"] = {k: v for k, v in st.engine.items() if not isinstance(v, torch.Tensor)}
+    tensors.update({f"engine.{k}": v.contiguous() for k, v in st.engine.items()
+                    if isinstance(v, torch.Tensor)})
     blob = {"mesp_state": json.dumps(meta)}
     atomic_write(path / STATE_FILE, lambda p: save_file(tensors, p, metadata=blob))
 
@@ -73,6 +77,8 @@ def load_state(path: Path) -> TrainState:
             tensors = {k: h.get_tensor(k) for k in h.keys()}
     except Exception as e:  # corrupt header, missing metadata key, bad JSON
         raise MespError(f"{f}: unreadable training state ({str(e).splitlines()[0]})") from None
+    for k in [k for k in tensors if k.startswith("engine.")]:
+        meta["engine"][k.removeprefix("engine.")] = tensors.pop(k)
     return TrainState(tensors=tensors, **meta)
 
 

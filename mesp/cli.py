@@ -13,6 +13,11 @@ from mesp.session import ModelOptions
 from mesp.train import Interrupted
 
 
+def _add_mezo_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--zo-eps", type=float, default=1e-2, help="mezo: perturbation size")
+    s.add_argument("--zo-samples", type=int, default=1, help="mezo: SPSA probes per step")
+
+
 def _add_offload_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--offload",
@@ -51,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         help="mesp: recompute LoRA's h = xAᵀ in backward, or store it (ablation)",
     )
     _add_offload_flags(s)
+    _add_mezo_flags(s)
     s.add_argument("--adapter-out", default="adapters", help="directory for the adapter + logs")
     s.add_argument(
         "--nproc",
@@ -113,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", default="mesp", choices=ENGINES)
     s.add_argument("--h-strategy", default="recompute", choices=("recompute", "store"))
     _add_offload_flags(s)
+    _add_mezo_flags(s)
     s.add_argument("--data", dest="path", default=None)
     s.add_argument("--seq-len", type=int, default=128)
     s.add_argument("--batch-size", type=int, default=1)
@@ -124,8 +131,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_extensions(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Commands whose parsers live beside their code; each sets `run` on its namespace."""
-    from mesp import export_cli
+    from mesp import export_cli, plan_cli
 
+    plan_cli.add_parser(sub)
     export_cli.add_parser(sub)
     for name in ("export", "run-artifacts"):
         sub.choices[name].set_defaults(run=export_cli.run)

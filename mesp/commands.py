@@ -28,6 +28,9 @@ def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
         )
     if ns.engine == "mesp":
         opts["h_strategy"] = ns.h_strategy
+    if ns.engine == "mezo":  # lr comes from the trainer's schedule each step (set_lr)
+        opts.update(eps=ns.zo_eps, samples=ns.zo_samples, seed=getattr(ns, "seed", 0),
+                    weight_decay=getattr(ns, "weight_decay", 0.0))
     return opts
 
 

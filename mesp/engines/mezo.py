@@ -72,6 +72,13 @@ class MeZOEngine:
         """The trainer owns the schedule; it hands the current rate in before each step."""
         self.lr = lr
 
+    def state_dict(self) -> dict[str, Tensor]:
+        """The seed stream's position, so a resumed run draws the seeds it would have drawn."""
+        return {"seeds": self._seeds.get_state()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self._seeds.set_state(state["seeds"])
+
     # -- the pieces -------------------------------------------------------------------------
     def next_seed(self) -> int:
         return int(torch.randint(0, 2**62, (), generator=self._seeds))
@@ -134,9 +141,10 @@ class MeZOEngine:
             g, plus, minus = self.probe(model, batch, normalizer, seed)
             probes.append((g, seed))
             total += (plus + minus) / 2
-        self.update(model, probes)
         self._last = probes
-        return total / self.samples
+        if math.isfinite(total) and all(math.isfinite(g) for g, _ in probes):
+            self.update(model, probes)  # a NaN g would poison every weight: leave θ for the
+        return total / self.samples  # trainer, which stops on the non-finite loss
 
     def projected_grad_and_seed(self) -> list[tuple[float, int]]:
         """(g, seed) of each probe of the last step. Data parallel needs only this: ranks agree
@@ -159,7 +167,7 @@ class MeZOEngine:
         seeds = torch.Generator().manual_seed(seed)
         named = perturbed_tensors(model, self.perturb_all)
         wide = [torch.promote_types(t.dtype, torch.float32) for _, t in named]
-        est = {name: torch.zeros_like(t, dtype=w) for (name, t), w in zip(named, wide)}
+        est = {name: torch.zeros_like(t, dtype=w) for (name, t), w in zip(named, wide, strict=True)}
         for _ in range(n):
             s = int(torch.randint(0, 2**62, (), generator=seeds))
             g, _, _ = self.probe(model, batch, normalizer, s)

@@ -1,0 +1,615 @@
+"""The analytic memory model: peak bytes of one training step, per engine, from the shapes alone.
+
+Symbols: B rows of S positions, T = B·S tokens (all trained: the worst case), D hidden,
+F intermediate, Q = H·d query width, K = KV·d key/value width, L layers, V vocabulary, r LoRA
+rank, e the compute dtype's bytes, f = max(e, 4) (norms, activation derivatives and log-softmax
+run in fp32), c = min(512, T) CE rows per chunk, V' = V, or 8192 when the head is sliced.
+W(o, i; x) is dequantizing an o×i weight and then allocating x bytes: o·i·e + max(o·i/2, x)
+(the 4-bit nibble plane is freed before x exists); a dense base is used in place: x.
+
+State, live for the whole step:
+  weights      `mesp.info.weight_bytes` (packed when quantized)
+  adapter      Σ_layers Σ_targets r·(in + out)·e;  grads the same (none for mezo)
+  optimizer    AdamW 2 × adapter (exp_avg, exp_avg_sq); SGD and mezo 0
+  checkpoints  mebp, mesp: L·T·D·e (each block's input; the last output is held beside them)
+  tables       RoPE cos/sin 2·S·d·e per layer type (+ S² bytes of window mask, Gemma3)
+
+Peak = the largest of these moments, each the state then live plus its working set:
+  block forward, no autograd   4TD·e (n1, a, x2, n2: Block.forward's locals) + the max of
+                               4TF·e (gate, up, act(gate), act·up) and 3TF·e + down's output
+                               W(D, F; TD·e) or its LoRA sum 3TD·e; attention moments are
+                               smaller unless Q ≫ F (or a windowed mask S²·e is built)
+  mesp block backward          dy TD·e + tape (n1, x2, n2, q, k, v, o, lse, gate, up; q/k-norm
+                               inputs; Gemma3's a, d) + max of: the gated-activation backward,
+                               nine T×F fp32 tensors = 9·TF·f (gate, up, dm, σ or tanh, a, a',
+                               d_up, dm·up, d_gate; in bf16 the fp32 copies take the same room);
+                               down's backward 3TF·e + W(D, F; TF·e); the recompute forward
+  mesp cross-entropy           h, hn 2TD·e + rows 2TD·e (trained rows, their gradient)
+                               + W(V', D; c·V'·f + c·V'·e·[e < 4] + c·D·e)
+  autograd (bp all blocks,     per block: n1, n2 (TD·e each, for dA), x2 and the block input as
+  mebp one block)              the norms' fp32 inputs (TD·f), 1/rms (T·4 per norm), q, k, v, o
+                               T(2Q + 2K)·e, lse B·H·S·4, gate, up, act(gate), act·up 4TF·e,
+                               h = x Aᵀ T·r·e per adapter. _FrozenMatmul saves nothing. The MLP's
+                               backward adds max(TF·e + W(D, F; TF·e), 3TF·e), less act·up.
+  full-logits CE (bp, mebp)    max(3·T·V·4: log-softmax output, d nll and d log-softmax, fp32;
+                               T·V·e + W(V, D; TD·e): d logits through the dequantized head)
+  mezo                         T·D·e + the block forward, or hn + rows + the CE chunk without a
+                               gradient; perturbing adds one z, the largest adapter tensor
+
+`analytic_floor` is what any exact block-wise gradient must hold beside the weights: LoRA
+parameters and gradients + checkpoints + the largest single-block working set + one CE chunk.
+`tests/test_memory_model.py` checks `predict` against `mesp.memory_tracker` on real steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mesp.config import SLIDING, ModelConfig
+from mesp.errors import MespError
+from mesp.info import weight_bytes
+from mesp.models import FAMILIES
+from mesp.models.transformer import LORA_TARGETS
+from mesp.quant import QuantSpec
+
+ENGINES = ("bp", "mebp", "mesp", "mezo")
+CE_ROWS, VOCAB_CHUNK = 512, 8192  # MeSPEngine's and MeZOEngine's chunked-CE defaults
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every dimension the formulas use (elements), plus byte widths."""
+
+    B: int
+    S: int
+    D: int
+    F: int
+    Q: int
+    K: int
+    H: int
+    L: int
+    V: int
+    r: int
+    e: int  # compute dtype bytes
+    f: int  # fp32-or-wider math bytes
+    quant: QuantSpec | None
+    targets: tuple[str, ...]
+    gelu: bool
+    qk_norm: bool
+    sandwich: bool
+    softcap: bool
+    tables: int  # RoPE cos/sin tables and the sliding-window mask, bytes
+    window_mask: int  # the additive (S, S) mask a windowed flash-attention call builds, bytes
+
+    @property
+    def T(self) -> int:
+        return self.B * self.S
+
+    def deq(self, out: int, inp: int, then: int = 0) -> int:
+        """Peak bytes of dequantizing an out×inp weight and then allocating `then` bytes beside
+        it: the weight plus the larger of its 4-bit nibble plane (freed once unpacked) and
+        `then`. A dense base is used in place: just `then`."""
+        q = self.quant
+        if q is None or inp % q.group_size:
+            return then
+        nibbles = out * inp // 2 if q.bits == 4 else 0
+        return out * inp * self.e + max(nibbles, then)
+
+    def lin_in_out(self) -> dict[str, tuple[int, int]]:
+        D, F, Q, K = self.D, self.F, self.Q, self.K
+        return {
+            "q_proj": (D, Q),
+            "k_proj": (D, K),
+            "v_proj": (D, K),
+            "o_proj": (Q, D),
+            "gate_proj": (D, F),
+            "up_proj": (D, F),
+            "down_proj": (F, D),
+        }
+
+
+def sizes(
+    cfg: ModelConfig,
+    seq_len: int,
+    batch: int,
+    rank: int,
+    targets: Sequence[str],
+    quant: QuantSpec | None,
+    dtype: torch.dtype,
+) -> Sizes:
+    spec = FAMILIES[cfg.family]
+    e = torch.tensor([], dtype=dtype).element_size()
+    f = max(e, 4)
+    d, types = cfg.head_dim, set(cfg.layer_types)
+    tables = 2 * len(types) * seq_len * d * e
+    windowed = SLIDING in types and bool(cfg.sliding_window) and cfg.sliding_window < seq_len
+    tables += windowed * seq_len * seq_len  # the bool window mask, kept for the whole step
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    if bad:
+        raise MespError(f"unknown LoRA target(s) {bad}; choose from {list(LORA_TARGETS)}")
+    return Sizes(
+        B=batch,
+        S=seq_len,
+        D=cfg.hidden_size,
+        F=cfg.intermediate_size,
+        Q=cfg.num_attention_heads * d,
+        K=cfg.num_key_value_heads * d,
+        H=cfg.num_attention_heads,
+        L=cfg.num_hidden_layers,
+        V=cfg.vocab_size,
+        r=rank,
+        e=e,
+        f=f,
+        quant=quant,
+        targets=tuple(targets),
+        gelu=spec.activation != "silu",
+        qk_norm=spec.qk_norm,
+        sandwich=spec.sandwich_norms,
+        softcap=bool(cfg.final_logit_softcapping),
+        tables=tables,
+        window_mask=windowed * seq_len * seq_len * e,
+    )
+
+
+def adapter_bytes(s: Sizes) -> int:
+    io = s.lin_in_out()
+    return s.L * sum(s.r * (io[t][0] + io[t][1]) for t in s.targets) * s.e
+
+
+def block_adapter_bytes(s: Sizes) -> int:
+    return adapter_bytes(s) // s.L
+
+
+# ---- moments of the working set (bytes beyond what the caller counts as live) ----------------
+
+
+def _norm_peak(s: Sizes, width: int) -> int:
+    """RMSNorm forward transients on (T, width): x·r and x·r·w in fp32, plus the fp32 copy of
+    x when the compute dtype is narrower."""
+    return (2 + (s.e < s.f)) * s.T * width * s.f
+
+
+def _linear_peak(s: Sizes, name: str) -> int:
+    """A frozen linear (+ bias) (+ LoRA) forward: the output and its dequantized weight, or
+    y, s·hB and their sum side by side. Result: T·out·e."""
+    inp, out = s.lin_in_out()[name]
+    lora = name in s.targets
+    y = s.T * out * s.e
+    return max(s.deq(out, inp, then=y), (3 if lora else 2) * y)
+
+
+def block_forward_peak(s: Sizes, tape: bool) -> int:
+    """No-grad block forward, beyond its input x. Block.forward keeps n1, a, x2, n2 as locals to
+    its end; the MLP holds gate and up while act(gate)·up and down run. With a tape (mesp's
+    recompute) q, k, v, o, lse (and q/k-norm inputs, Gemma3's a and d) stay alive as well."""
+    T, D, F, Q, K, e = s.T, s.D, s.F, s.Q, s.K, s.e
+    lse = s.B * s.H * s.S * 4
+    qk = T * (2 * Q + 2 * K) * e + lse  # q, k, v after RoPE, o
+    qk_in = s.qk_norm * T * (Q + K) * e
+    attn = max(
+        T * D * e + _linear_peak(s, "q_proj"),
+        T * D * e + T * Q * e + 2 * T * K * e + 3 * T * Q * e,  # RoPE of q beside pre-RoPE q,k,v
+        T * D * e + T * (2 * Q + 2 * K) * e + 3 * T * K * e,  # RoPE of k
+        T * D * e + qk + s.window_mask,  # flash attention with a window
+        T * D * e + qk + _linear_peak(s, "o_proj"),
+    )
+    kept = (tape * qk + tape * qk_in) if tape else 0
+    mlp_in = 4 * T * D * e + kept  # n1, a, x2, n2
+    mlp = mlp_in + max(
+        T * F * e + _linear_peak(s, "up_proj"),
+        4 * T * F * e,  # gate, up, act(gate), product
+        3 * T * F * e + _linear_peak(s, "down_proj"),
+    )
+    norm2 = 3 * T * D * e + kept + _norm_peak(s, D)
+    return max(attn, mlp, norm2, _norm_peak(s, D))
+
+
+def tape_bytes(s: Sizes) -> int:
+    """What mesp's recompute records for one block's hand backward (see mesp/engines/mesp.py)."""
+    T, e = s.T, s.e
+    td = T * s.D * e * (3 + 2 * s.sandwich)  # n1, x2, n2 (+ a, d)
+    attn = T * (2 * s.Q + 2 * s.K) * e + s.B * s.H * s.S * 4  # q, k, v, o, lse
+    qk_in = s.qk_norm * T * (s.Q + s.K) * e
+    return td + attn + qk_in + 2 * T * s.F * e  # + gate, up
+
+
+def mesp_block_backward_peak(s: Sizes) -> int:
+    """Beyond checkpoints, x and dy: the recompute, then the MLP half of the hand backward.
+    The gated-activation backward holds gate, up, dm, σ-or-tanh terms, a, a', d_up, dm·up and
+    d_gate: nine T×F tensors, four bytes each in fp32 (in bf16 the fp32 copies of gate, up and
+    dm take the place of two)."""
+    T, F, D, e = s.T, s.F, s.D, s.e
+    tape_attn = tape_bytes(s) - 2 * T * F * e
+    act = tape_attn + 9 * T * F * s.f
+    dd = s.sandwich * T * D * e  # Gemma3: the gradient through the post-MLP norm
+    down = tape_attn + dd + 3 * T * F * e + s.deq(D, F, then=T * F * e)
+    up = tape_attn + 2 * T * F * e + T * D * e + s.deq(F, D, then=T * D * e)
+    # attention backward: da, do, dq, dk, dv (and the window mask) beside the tape
+    attn = tape_attn + T * D * e * (1 + s.sandwich) + T * (2 * s.Q + 2 * s.K) * e + s.window_mask
+    return max(block_forward_peak(s, tape=True), act, down, up, attn)
+
+
+def autograd_saved_block(s: Sizes, grad_input: bool) -> int:
+    """Activations autograd keeps for one block's backward (bp, mebp). `grad_input`: the block's
+    input needs a gradient, so the first norm keeps its (fp32) input too."""
+    T, D, F, e, f = s.T, s.D, s.F, s.e, s.f
+    tg = set(s.targets)
+    out = T * (2 + 2 * s.sandwich) * 4  # each norm's 1/rms
+    out += T * D * f * (1 + 2 * s.sandwich)  # x2 (+ a, d) as the norms' fp32 inputs
+    out += grad_input * T * D * f
+    out += bool(tg & {"q_proj", "k_proj", "v_proj"}) * T * D * e  # n1 for dA
+    out += bool(tg & {"gate_proj", "up_proj"}) * T * D * e  # n2 for dA
+    out += T * (2 * s.Q + 2 * s.K) * e + s.B * s.H * s.S * 4  # q, k, v, o, lse
+    out += s.qk_norm * T * (s.Q + s.K) * f
+    out += 3 * T * F * e + ("down_proj" in tg) * T * F * e  # gate, up, act(gate), act·up
+    out += len(tg) * T * s.r * e  # h = x Aᵀ per adapter
+    return out
+
+
+def autograd_block_backward_extra(s: Sizes) -> int:
+    """Transient of one block's autograd backward beyond its saved set: down's input gradient
+    from the adapter and from the (dequantized) base, then their sum; act·up is freed first."""
+    T, F, e = s.T, s.F, s.e
+    return -("down_proj" in s.targets) * T * F * e + max(
+        T * F * e + s.deq(s.D, F, then=T * F * e), 3 * T * F * e
+    )
+
+
+def full_ce_peak(s: Sizes) -> int:
+    """bp/mebp's head: (T, V) logits, fp32 log-softmax; beyond the final hidden state."""
+    T, V, e = s.T, s.V, s.e
+    tv4 = T * V * 4
+    cap = s.softcap * T * V * e  # tanh(z / cap), kept for backward
+    fwd = T * s.D * e + s.deq(V, s.D, then=T * V * e)
+    lsm = T * V * e + (e < 4) * tv4 + tv4
+    bwd = 3 * tv4
+    head_bwd = T * V * e + s.deq(V, s.D, then=T * s.D * e)
+    return cap + max(fwd, lsm, bwd, head_bwd)
+
+
+def chunked_ce_peak(s: Sizes, grad: bool, chunk_rows: int = CE_ROWS) -> int:
+    """mesp/mezo's CE over n = T trained rows, beyond the final normed states: the rows
+    (and their gradient), one (c, V') logits block in fp32 and one head slice."""
+    n, D, e, f = s.T, s.D, s.e, s.f
+    c = min(chunk_rows, n)
+    sliced = VOCAB_CHUNK < s.V
+    vw = VOCAB_CHUNK if sliced else s.V
+    rows = n * D * e * (1 + grad) + 2 * n * 8
+    z = c * vw * f + c * vw * e * (e < f) + grad * c * D * e
+    if sliced:
+        rows += 3 * n * f + grad * n * D * f  # running max / sum / target logit, fp32 dh
+    return rows + s.deq(vw, D, then=z)
+
+
+# ---- the whole step -------------------------------------------------------------------------
+
+
+def resident_weight_bytes(cfg: ModelConfig, quant: QuantSpec | None, dtype: torch.dtype) -> int:
+    """Frozen weights as held in memory (packed when quantized); cached per shape, since the
+    planner asks for the same shapes many times and each count builds a meta model."""
+    return _weights(json.dumps(cfg.to_hf(), sort_keys=True, default=str), quant, dtype)[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(key: str, quant: QuantSpec | None, dtype: torch.dtype) -> tuple[int, int]:
+    wb = weight_bytes(ModelConfig.from_hf(json.loads(key)), quant, dtype)
+    return wb["params"], wb["quant_bytes" if quant is not None else "dense_bytes"]
+
+
+def predict(
+    cfg: ModelConfig,
+    engine: str,
+    seq_len: int,
+    batch: int,
+    rank: int = 8,
+    targets: Sequence[str] = LORA_TARGETS,
+    quant: QuantSpec | None = None,
+    dtype: torch.dtype = torch.float32,
+    optimizer: str = "adamw",
+) -> dict[str, int | str]:
+    """Bytes of each part of one training step and its peak (`total`): the largest of the
+    moments in `phase:*`, each the state live then plus that moment's working set."""
+    s = sizes(cfg, seq_len, batch, rank, targets, quant, dtype)
+    return predict_sizes(s, resident_weight_bytes(cfg, quant, dtype), engine, optimizer)
+
+
+def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[str, int | str]:
+    if engine not in ENGINES:
+        raise MespError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+    if optimizer not in ("adamw", "sgd"):
+        raise MespError(f"unknown optimizer {optimizer!r}; choose from adamw, sgd")
+    T, D, e, L = s.T, s.D, s.e, s.L
+    adapter = adapter_bytes(s)
+    zo = engine == "mezo"
+    grads = 0 if zo else adapter
+    opt = 0 if zo or optimizer == "sgd" else 2 * adapter
+    ckpt = L * T * D * e if engine in ("mebp", "mesp") else 0
+    state = weights + adapter + opt + s.tables
+    g1 = 0 if zo else block_adapter_bytes(s)  # grads alive while the last block runs backward
+    phases: dict[str, int] = {}
+    if zo:
+        io = s.lin_in_out()
+        z = max((s.r * max(io[t]) * e for t in s.targets), default=0)
+        phases["perturb"] = state - s.tables + z
+        phases["block forward"] = state + T * D * e + block_forward_peak(s, tape=False)
+        # the RoPE tables belong to model.hidden and are gone before the loss
+        phases["cross-entropy"] = state - s.tables + T * D * e + chunked_ce_peak(s, grad=False)
+        saved = 0
+    elif engine == "mesp":
+        phases["forward"] = state + ckpt + block_forward_peak(s, tape=False)
+        phases["cross-entropy"] = state + ckpt + 2 * T * D * e + chunked_ce_peak(s, grad=True)
+        phases["block backward"] = state + g1 + ckpt + T * D * e + mesp_block_backward_peak(s)
+        saved = tape_bytes(s)
+    elif engine == "mebp":
+        # the final norm keeps h (an fp32 copy when e < 4) and 1/rms for the head's backward
+        head_saved = T * D * e + (e < s.f) * T * D * s.f + T * 4
+        # in fp32 the first norm's saved input is the checkpoint itself
+        saved = autograd_saved_block(s, grad_input=L > 1) - (e >= s.f) * T * D * s.f * (L > 1)
+        phases["forward"] = state + ckpt + block_forward_peak(s, tape=False)
+        phases["cross-entropy"] = state + ckpt + head_saved + full_ce_peak(s)
+        phases["block backward"] = (
+            state + g1 + ckpt + 2 * T * D * e + saved + autograd_block_backward_extra(s)
+        )
+    else:
+        saved = sum(autograd_saved_block(s, grad_input=i > 0) for i in range(L))
+        saved += T * D * s.f + T * 4  # the final norm's input and 1/rms
+        phases["cross-entropy"] = state + saved + full_ce_peak(s)
+        phases["block backward"] = state + g1 + saved + T * D * e + autograd_block_backward_extra(s)
+    if not zo:  # all gradients, the state and one tensor's update temporaries
+        phases["optimizer"] = state + grads + (adapter // L if opt else 0)
+    peak = max(phases, key=lambda k: phases[k])
+    return {
+        "engine": engine,
+        "weights": weights,
+        "adapter": adapter,
+        "grads": grads,
+        "optimizer": opt,
+        "checkpoints": ckpt,
+        "saved": saved,
+        "working": phases[peak] - state - ckpt - (saved if engine == "bp" else 0),
+        "total": phases[peak],
+        "peak_at": peak,
+        **{f"phase:{k}": v for k, v in phases.items()},
+    }
+
+
+def analytic_floor(
+    cfg: ModelConfig,
+    seq_len: int,
+    batch: int,
+    rank: int,
+    targets: Sequence[str],
+    quant: QuantSpec | None,
+    dtype: torch.dtype,
+) -> int:
+    """Bytes any exact block-wise gradient needs beyond the frozen weights: LoRA parameters and
+    gradients (SGD: no optimizer state) + L block checkpoints + the largest single-block working
+    set (mesp's: the incoming gradient, the tape and the MLP backward) + one CE chunk of fp32
+    logits (c·min(V, v)·4). Weights are excluded: they can be streamed from disk."""
+    s = sizes(cfg, seq_len, batch, rank, targets, quant, dtype)
+    lora = 2 * adapter_bytes(s)
+    ckpt = s.L * s.T * s.D * s.e
+    block = s.T * s.D * s.e + mesp_block_backward_peak(s)
+    chunk = min(CE_ROWS, s.T) * min(VOCAB_CHUNK, s.V) * 4
+    return lora + ckpt + block + chunk
+
+
+# ---- the planner: which model, which sequence length, fits a budget --------------------------
+
+# Published config.json shapes beyond mesp.loading.zoo.SHAPES, so each family has a ladder.
+_QWEN25_BIG = dict(
+    model_type="qwen2",
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=32768,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    hidden_size=5120,
+)
+_QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, rope_theta=1_000_000.0)
+EXTRA_SHAPES: dict[str, dict] = {
+    "qwen2.5-14b": dict(_QWEN25_BIG, intermediate_size=13824, num_hidden_layers=48),
+    "qwen2.5-32b": dict(_QWEN25_BIG, intermediate_size=27648, num_hidden_layers=64),
+    "qwen3-1.7b": dict(
+        _QWEN3,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        _QWEN3,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+}
+FAMILY_SIZES: dict[str, list[str]] = {  # smallest first
+    "qwen2": [
+        "qwen2.5-0.5b",
+        "qwen2.5-1.5b",
+        "qwen2.5-3b",
+        "qwen2.5-7b",
+        "qwen2.5-14b",
+        "qwen2.5-32b",
+    ],
+    "qwen3": ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"],
+    "llama": ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"],
+    "gemma3": ["gemma3-270m"],
+}
+
+
+def shape_config(name: str) -> ModelConfig:
+    """A named published shape: mesp.loading.zoo.SHAPES or EXTRA_SHAPES."""
+    from mesp.loading.zoo import SHAPES, random_shape
+
+    key = name.removeprefix("random:")
+    if key in EXTRA_SHAPES:
+        return ModelConfig.from_hf(EXTRA_SHAPES[key], source=name)
+    if key in SHAPES:
+        return random_shape(key)
+    known = ", ".join([*SHAPES, *EXTRA_SHAPES])
+    raise MespError(f"unknown model shape {key!r}; known: {known}")
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything but the model and the engine that the peak depends on."""
+
+    seq_len: int = 256
+    batch: int = 1
+    rank: int = 8
+    targets: tuple[str, ...] = LORA_TARGETS
+    quant: QuantSpec | None = QuantSpec()
+    dtype: torch.dtype = torch.float32
+    optimizer: str = "adamw"
+
+    def predict(self, cfg: ModelConfig, engine: str, seq_len: int | None = None) -> dict:
+        s = seq_len or self.seq_len
+        return predict(
+            cfg,
+            engine,
+            s,
+            self.batch,
+            self.rank,
+            self.targets,
+            self.quant,
+            self.dtype,
+            self.optimizer,
+        )
+
+
+def largest_model(
+    budget_bytes: int, family_sizes: Sequence[str], engine: str, run: Run = Run()
+) -> dict:
+    """Walk the sizes (names of published shapes) and report each one's predicted peak; the
+    largest (most parameters) that fits the budget is `largest`, or None."""
+    rows = []
+    for name in family_sizes:
+        cfg = shape_config(name)
+        total = int(run.predict(cfg, engine)["total"])
+        params = _weights(json.dumps(cfg.to_hf(), sort_keys=True, default=str), None, run.dtype)[0]
+        rows.append(
+            {"model": name, "params": params, "total": total, "fits": total <= budget_bytes}
+        )
+    fitting = [r for r in rows if r["fits"]]
+    best = max(fitting, key=lambda r: r["params"])["model"] if fitting else None
+    return {"engine": engine, "budget": budget_bytes, "largest": best, "rows": rows}
+
+
+def longest_seq(
+    budget_bytes: int, cfg: ModelConfig, engine: str, run: Run = Run(), max_len: int = 0
+) -> int:
+    """Largest sequence length (≤ max_len, default the model's maximum) whose predicted peak fits
+    the budget, by bisection (the peak grows with S); 0 when not even one token fits."""
+    s0 = sizes(cfg, 1, run.batch, run.rank, run.targets, run.quant, run.dtype)
+    weights = resident_weight_bytes(cfg, run.quant, run.dtype)
+
+    def fits(n: int) -> bool:
+        s = sizes(cfg, n, run.batch, run.rank, run.targets, run.quant, run.dtype)
+        return int(predict_sizes(s, weights, engine, run.optimizer)["total"]) <= budget_bytes
+
+    hi = max_len or cfg.max_position_embeddings
+    if not fits(s0.S):
+        return 0
+    lo = 1
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan(budget_bytes: int, cfg: ModelConfig, name: str, run: Run = Run()) -> dict:
+    """The JSON-able plan behind `mesp plan`: per engine the predicted parts and peak, whether
+    it fits, the longest sequence that fits, and the largest model of the family that fits."""
+    ladder = FAMILY_SIZES.get(cfg.family, [])
+    engines = {}
+    for eng in ENGINES:
+        p = run.predict(cfg, eng)
+        engines[eng] = {
+            **p,
+            "fits": int(p["total"]) <= budget_bytes,
+            "longest_seq": longest_seq(budget_bytes, cfg, eng, run),
+            "largest_model": largest_model(budget_bytes, ladder, eng, run)["largest"],
+        }
+    q = run.quant
+    return {
+        "budget": budget_bytes,
+        "model": name,
+        "family": cfg.family,
+        "family_sizes": ladder,
+        "seq_len": run.seq_len,
+        "batch": run.batch,
+        "rank": run.rank,
+        "targets": list(run.targets),
+        "quant": "none" if q is None else f"{q.bits}-bit group {q.group_size}",
+        "dtype": str(run.dtype).removeprefix("torch."),
+        "optimizer": run.optimizer,
+        "engines": engines,
+    }
+
+
+def format_plan(p: dict) -> str:
+    """A readable table of `plan`'s result, in MiB."""
+    mib = 2**20
+    head = (
+        f"budget {p['budget'] / mib:,.0f} MiB · {p['model']} · seq {p['seq_len']} × batch "
+        f"{p['batch']} · rank {p['rank']} · {p['quant']} base · {p['dtype']} · {p['optimizer']}"
+    )
+    cols = ("weights", "adapter", "grads", "optimizer", "checkpoints", "working", "total")
+    lines = [
+        head,
+        f"{'engine':6s} "
+        + " ".join(f"{c[:7]:>8s}" for c in cols)
+        + f"  {'fits':4s} {'max seq':>8s}  largest {p['family']} that fits",
+    ]
+    for eng, r in p["engines"].items():
+        nums = " ".join(f"{int(r[c]) / mib:8.1f}" for c in cols)
+        fits = "yes" if r["fits"] else "no"
+        lines.append(
+            f"{eng:6s} {nums}  {fits:4s} {r['longest_seq']:>8d}  {r['largest_model'] or '-'}"
+        )
+    lines.append("peak = the largest of forward, cross-entropy, block backward and optimizer")
+    return "\n".join(lines)

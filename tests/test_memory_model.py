@@ -1,0 +1,174 @@
+"""The analytic memory model against the exact live-tensor tracker on real training steps, and
+the planner built on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mesp.config import ModelConfig
+from mesp.data_batches import Batch
+from mesp.engines import make_engine
+from mesp.errors import MespError
+from mesp.loading import random_model
+from mesp.lora import LoraConfig, apply_lora
+from mesp.memory_model import (
+    FAMILY_SIZES,
+    Run,
+    analytic_floor,
+    largest_model,
+    longest_seq,
+    predict,
+    shape_config,
+)
+from mesp.memory_tracker import adapter_tensors, measure_peak
+from mesp.models.transformer import LORA_TARGETS
+from mesp.quant import QuantSpec
+from mesp.schedule import make_optimizer
+
+Q4 = QuantSpec(4, 64)
+
+
+def small_config(family: str, **over: object) -> ModelConfig:
+    """Small but not tiny: hidden 256, 4 layers, vocabulary 4096; every input size a multiple
+    of the quantization group, so a quantized base is quantized throughout."""
+    d = dict(
+        model_type={"gemma3": "gemma3_text"}.get(family, family),
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=4096,
+        tie_word_embeddings=family in ("qwen2", "gemma3"),
+        max_position_embeddings=4096,
+    )
+    if family == "gemma3":  # a window shorter than the longer sequence: the mask path runs
+        d.update(sliding_window=128, query_pre_attn_scalar=64, sliding_window_pattern=2)
+    d.update(over)
+    return ModelConfig.from_hf(d)
+
+
+def measure(
+    cfg: ModelConfig,
+    engine: str,
+    seq: int,
+    quant: QuantSpec | None,
+    dtype: torch.dtype = torch.float32,
+    batch: int = 2,
+    optimizer: str = "adamw",
+) -> dict[str, int]:
+    """Peak of one trainer iteration (engine step, optimizer step, zero_grad) after a warm-up
+    iteration that creates the optimizer state."""
+    model = random_model(cfg, quant, dtype)
+    apply_lora(model, LoraConfig(rank=8))
+    params = model.lora_parameters()
+    eng = make_engine(engine)
+    opt = make_optimizer(params, optimizer, 1e-4, 0.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+    b = Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), torch.ones(batch, seq).bool())
+
+    def step() -> None:
+        eng.step(model, b, b.n_tokens)
+        if not getattr(eng, "updates_params", False):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return measure_peak(
+        step, weights=list(model.buffers()), adapter=lambda: adapter_tensors(params, opt)
+    )
+
+
+def check(
+    family: str, engine: str, seq: int, quant: QuantSpec | None, **kw: object
+) -> tuple[int, int]:
+    cfg = small_config(family, **kw.pop("over", {}))  # type: ignore[arg-type]
+    got = measure(cfg, engine, seq, quant, **kw)  # type: ignore[arg-type]
+    dtype = kw.get("dtype", torch.float32)
+    opt = kw.get("optimizer", "adamw")
+    p = predict(cfg, engine, seq, kw.get("batch", 2), 8, quant=quant, dtype=dtype, optimizer=opt)  # type: ignore[arg-type]
+    assert p["weights"] == got["weights"]  # weights are counted, not modelled
+    # the whole peak, and the part the model really predicts (all but the weights)
+    assert abs(p["total"] / got["total"] - 1) <= 0.10, (p, got)
+    over, got_over = p["total"] - got["weights"], got["total"] - got["weights"]
+    assert abs(over / got_over - 1) <= 0.10, (p["peak_at"], over, got_over)
+    return int(p["total"]), got["total"]
+
+
+# Each engine sees both families, both lengths, and a dense and a quantized base.
+CASES = [
+    (family, seq, Q4 if (family, seq) in {("qwen2", 256), ("gemma3", 64)} else None)
+    for family in ("qwen2", "gemma3")
+    for seq in (64, 256)
+]
+
+
+@pytest.mark.parametrize("engine", ["bp", "mebp", "mesp", "mezo"])
+@pytest.mark.parametrize("family,seq,quant", CASES, ids=lambda c: str(c))
+def test_predicted_peak_matches_measured(
+    engine: str, family: str, seq: int, quant: QuantSpec | None
+) -> None:
+    check(family, engine, seq, quant)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["bp", "mebp", "mesp", "mezo"])
+@pytest.mark.parametrize(
+    "family,kw",
+    [
+        ("qwen2", {"dtype": torch.bfloat16}),
+        ("gemma3", {"dtype": torch.bfloat16, "optimizer": "sgd"}),
+        ("llama", {"batch": 1}),
+        ("qwen3", {}),
+        ("qwen2", {"over": {"vocab_size": 20000}}),  # CE in vocabulary slices
+        ("llama", {"over": {"vocab_size": 512, "intermediate_size": 1536}}),  # block-bound
+    ],
+    ids=["qwen2-bf16", "gemma3-bf16-sgd", "llama-b1", "qwen3", "qwen2-v20k", "llama-wide"],
+)
+def test_predicted_peak_more_shapes(engine: str, family: str, kw: dict) -> None:
+    check(family, engine, 256, Q4, **dict(kw))
+
+
+def test_engines_order_and_floor() -> None:
+    cfg = shape_config("qwen2.5-0.5b")
+    tot = {e: int(predict(cfg, e, 256, 1, quant=Q4)["total"]) for e in ("bp", "mebp", "mesp")}
+    assert tot["mesp"] < tot["mebp"] < tot["bp"]
+    p = predict(cfg, "mesp", 256, 1, quant=Q4, optimizer="sgd")
+    floors = [
+        analytic_floor(cfg, 256, 1, 8, t, Q4, torch.float32)
+        for t in [(), ("q_proj", "v_proj"), LORA_TARGETS]
+    ]
+    assert 0 < floors[0] < floors[1] < floors[2] < int(p["total"]) - int(p["weights"])
+
+
+def test_largest_model_and_longest_seq() -> None:
+    run = Run(seq_len=256, quant=Q4, optimizer="sgd")
+    ladder = FAMILY_SIZES["qwen2"]
+    small = int(run.predict(shape_config(ladder[0]), "mesp")["total"])
+    nxt = int(run.predict(shape_config(ladder[1]), "mesp")["total"])
+    res = largest_model((small + nxt) // 2, ladder, "mesp", run)
+    assert res["largest"] == ladder[0] and [r["fits"] for r in res["rows"]][:2] == [True, False]
+    assert largest_model(small - 1, ladder, "mesp", run)["largest"] is None
+    cfg = shape_config("qwen2.5-0.5b")
+    budget = int(1.2 * small)
+    n = longest_seq(budget, cfg, "mesp", run)
+    assert 256 < n < cfg.max_position_embeddings
+    assert int(run.predict(cfg, "mesp", n)["total"]) <= budget
+    assert int(run.predict(cfg, "mesp", n + 1)["total"]) > budget
+    assert longest_seq(10**6, cfg, "mesp", run) == 0
+
+
+def test_every_ladder_shape_resolves_and_bad_input() -> None:
+    for names in FAMILY_SIZES.values():
+        for name in names:
+            assert shape_config(name).num_hidden_layers > 0
+    cfg = small_config("llama")
+    with pytest.raises(MespError, match="engine"):
+        predict(cfg, "zo", 64, 1)
+    with pytest.raises(MespError, match="optimizer"):
+        predict(cfg, "mesp", 64, 1, optimizer="lion")
+    with pytest.raises(MespError, match="target"):
+        predict(cfg, "mesp", 64, 1, targets=("qkv",))
