@@ -29,8 +29,12 @@ def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
     if ns.engine == "mesp":
         opts["h_strategy"] = ns.h_strategy
     if ns.engine == "mezo":  # lr comes from the trainer's schedule each step (set_lr)
-        opts.update(eps=ns.zo_eps, samples=ns.zo_samples, seed=getattr(ns, "seed", 0),
-                    weight_decay=getattr(ns, "weight_decay", 0.0))
+        opts.update(
+            eps=ns.zo_eps,
+            samples=ns.zo_samples,
+            seed=getattr(ns, "seed", 0),
+            weight_decay=getattr(ns, "weight_decay", 0.0),
+        )
     return opts
 
 
@@ -72,6 +76,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     out = Path(ns.resume or ns.adapter_out)
     check_output_dir(out)
     resume = load_state(out) if ns.resume else None
+    budget = _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg)
     dp = from_env(ns.dist_timeout)
     main = dp is None or dp.is_main
     say = print if main else (lambda *a, **k: None)
@@ -118,6 +123,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             fingerprint=fp,
             resume=resume,
             dp=dp,
+            max_memory=budget,
         )
     finally:
         shutdown()
@@ -139,6 +145,54 @@ def cmd_train(ns: argparse.Namespace) -> int:
         f"peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; adapter in {out}"
     )
     return 0
+
+
+def _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg) -> int | None:  # type: ignore[no-untyped-def]
+    """--max-memory: refuse, before any weight is loaded, a setup the planner says won't fit,
+    naming a change that would; returns the budget in bytes for the trainer to watch."""
+    if not ns.max_memory:
+        return None
+    from mesp.info import config_of
+    from mesp.memory_model import predict
+    from mesp.plan_cli import parse_bytes
+
+    budget = parse_bytes(ns.max_memory)
+    cfg = config_of(opts)
+
+    def need(engine: str, seq: int, rank: int) -> int:
+        return int(
+            predict(
+                cfg,
+                engine,
+                seq,
+                train_cfg.batch_size,
+                rank,
+                lora_cfg.targets,
+                opts.quant,
+                opts.torch_dtype,
+                train_cfg.optimizer,
+            )["total"]
+        )
+
+    seq, rank = data_cfg.seq_len, lora_cfg.rank
+    have = need(ns.engine, seq, rank)
+    if have <= budget:
+        return budget
+    hints = [
+        f"--engine {e}" for e in ("mesp", "mezo") if e != ns.engine and need(e, seq, rank) <= budget
+    ]
+    fits = [
+        s for s in (2**k for k in range(4, 20)) if s < seq and need(ns.engine, s, rank) <= budget
+    ]
+    if fits:
+        hints.append(f"--seq-len {fits[-1]}")
+    if rank > 1 and need(ns.engine, seq, 1) <= budget:
+        hints.append("a lower --rank")
+    raise MespError(
+        f"--max-memory {ns.max_memory}: engine {ns.engine} at --seq-len {seq}, rank {rank} "
+        f"needs about {have / 2**20:.0f} MiB; "
+        + (" or ".join(hints) + " would fit" if hints else "no engine fits; try a smaller model")
+    )
 
 
 def _launch_torchrun(ns: argparse.Namespace) -> int:

@@ -124,10 +124,11 @@ def train(
     fingerprint: dict[str, Any] | None = None,
     resume: TrainState | None = None,
     dp: DataParallel | None = None,
+    max_memory: int | None = None,
 ) -> TrainResult:
     """Train the model's adapters with `engine`; with `dp`, this process is one data-parallel
     rank: it computes its slice of each global batch, and only rank 0 evaluates, logs and saves."""
-    from mesp.memory_rss import peak_rss_bytes
+    from mesp.memory_rss import current_rss_bytes, peak_rss_bytes
 
     params = model.lora_parameters()
     opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)
@@ -144,6 +145,7 @@ def train(
     bar = _progress(cfg, st.step) if main else None
     t_start = time.perf_counter()
     stop = _SignalFlag()
+    base_rss = current_rss_bytes()  # --max-memory covers what training adds to the process
 
     def log(row: dict[str, Any]) -> None:
         if log_f is not None:
@@ -176,8 +178,9 @@ def train(
                 g["lr"] = lr
             if hasattr(engine, "set_lr"):  # engines that update parameters themselves (mezo)
                 engine.set_lr(lr)
-            micro = [keep_last_fraction(next(stream), cfg.loss_fraction)
-                     for _ in range(cfg.grad_accum)]
+            micro = [
+                keep_last_fraction(next(stream), cfg.loss_fraction) for _ in range(cfg.grad_accum)
+            ]
             normalizer = sum(b.n_tokens for b in micro)
             if normalizer == 0:  # e.g. every target masked: no loss to take, never a NaN
                 log({"step": step, "skipped": "no trained tokens in batch"})
@@ -234,6 +237,13 @@ def train(
                 validate(step)
             if (cfg.save_every and step % cfg.save_every == 0) or stop.signum:
                 checkpoint()
+            grown = peak_rss_bytes() - base_rss
+            if max_memory is not None and grown > max_memory:
+                checkpoint()
+                raise MespError(
+                    f"measured peak {grown / 2**20:.0f} MiB crossed --max-memory at step "
+                    f"{step}; adapter and state saved in {out_dir}"
+                )
             if stop.signum:
                 if bar is not None:
                     bar.close()

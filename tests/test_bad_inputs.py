@@ -82,6 +82,7 @@ def _truncate(d: Path) -> None:
 
 
 CASES = {
+    "memory_budget_too_small": (lambda e: ["--max-memory", "1MB"], "--max-memory 1MB"),
     "malformed_jsonl": (
         lambda e: ["--data", _data(e["root"], "m.jsonl", b'{"text": "a"}\n{oops\n')],
         "m.jsonl:2",
