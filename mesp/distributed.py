@@ -27,13 +27,26 @@ class DataParallel:
     rank: int
     world: int
 
-    def shard(self, batch: Batch) -> Batch | None:
-        """This rank's rows of a global batch (None when it gets none: a short last batch)."""
+    def shard(self, batch: Batch) -> Batch:
+        """This rank's rows of a global batch. A rank left without rows (a short last batch)
+        gets one row with nothing trained, so it still takes part in every collective."""
         n = batch.input_ids.shape[0]
         lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
         if hi <= lo:
-            return None
+            return Batch(batch.input_ids[:1], batch.targets[:1], torch.zeros_like(batch.mask[:1]))
         return Batch(batch.input_ids[lo:hi], batch.targets[lo:hi], batch.mask[lo:hi])
+
+    def sum_scalars(self, values: list[float]) -> list[float]:
+        """All-reduce a few floats. MeZO's data parallelism needs only this: every rank draws
+        the same seeds, so the projected gradients (one scalar per probe) are all it shares."""
+        t = torch.tensor(values, dtype=torch.float64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        except Exception as e:
+            raise MespError(
+                f"rank {self.rank}: lost contact with another rank ({str(e).splitlines()[0]})"
+            ) from None
+        return t.tolist()
 
     def all_reduce(
         self, params: list[torch.nn.Parameter], loss_sum: float, stop: int = 0

@@ -140,6 +140,8 @@ def train(
         if resume.engine and hasattr(engine, "load_state_dict"):
             engine.load_state_dict(resume.engine)
     main = dp is None or dp.is_main
+    if dp is not None and hasattr(engine, "reduce"):  # mezo: ranks share scalars, not tensors
+        engine.reduce = dp.sum_scalars
     out_dir.mkdir(parents=True, exist_ok=True)
     log_f = (out_dir / "log.jsonl").open("a") if main else None
     bar = _progress(cfg, st.step) if main else None
@@ -187,7 +189,7 @@ def train(
                 st.step = step
                 continue
             local = [dp.shard(b) for b in micro] if dp is not None else micro
-            loss_sum = sum(engine.step(model, b, normalizer) for b in local if b is not None)
+            loss_sum = sum(engine.step(model, b, normalizer) for b in local)
             if dp is not None:
                 loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
                 stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)

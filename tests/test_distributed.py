@@ -23,18 +23,24 @@ def _train(model: Path, data: Path, out: Path, *extra: str) -> subprocess.Comple
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine,port", [("mesp", 29631), ("mezo", 29651)])
+def test_two_ranks_equal_one_process(engine: str, port: int, tmp_path: Path) -> None:
+    """mezo shares only its per-probe scalar across ranks (same seeds everywhere)."""
     model = make_model_dir(tmp_path / "m", "qwen3")
     data = make_jsonl(tmp_path / "d.jsonl", 30)
-    one = _train(model, data, tmp_path / "one")
+    one = _train(model, data, tmp_path / "one", "--engine", engine)
     assert one.returncode == 0, one.stderr
-    two = _train(model, data, tmp_path / "two", "--nproc", "2", "--master-port", "29631")
+    two = _train(model, data, tmp_path / "two", "--engine", engine, "--nproc", "2",
+                 "--master-port", str(port))
     assert two.returncode == 0, two.stderr[-2000:]
     a = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
     assert a.keys() == b.keys()
-    for k in a:  # two partial sums vs one: fp32 rounding only
-        assert (a[k] - b[k]).abs().max() <= 1e-6, k
+    # Two partial sums vs one: fp32 rounding only. MeZO divides the loss difference by 2·eps,
+    # which magnifies that rounding ~50-fold, hence its looser bound.
+    tol = 1e-4 if engine == "mezo" else 1e-6
+    for k in a:
+        assert (a[k] - b[k]).abs().max() <= tol, k
     log = (tmp_path / "two" / "log.jsonl").read_text()
     assert log.count('"loss"') == 10  # rank 0 alone logs
 

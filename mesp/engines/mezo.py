@@ -20,7 +20,7 @@ for its slice), not one estimate of the group's gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -67,6 +67,8 @@ class MeZOEngine:
         self.chunk_rows, self.vocab_chunk = chunk_rows, vocab_chunk
         self._seeds = torch.Generator().manual_seed(seed)  # draws one seed per probe
         self._last: list[tuple[float, int]] = []
+        # set by the trainer under data parallelism: sums a list of floats over all ranks
+        self.reduce: Callable[[list[float]], list[float]] | None = None
 
     def set_lr(self, lr: float) -> None:
         """The trainer owns the schedule; it hands the current rate in before each step."""
@@ -141,6 +143,10 @@ class MeZOEngine:
             g, plus, minus = self.probe(model, batch, normalizer, seed)
             probes.append((g, seed))
             total += (plus + minus) / 2
+        if self.reduce is not None:  # data parallel: each g was this rank's share of the sum
+            probes = list(
+                zip(self.reduce([g for g, _ in probes]), [s for _, s in probes], strict=True)
+            )
         self._last = probes
         if math.isfinite(total) and all(math.isfinite(g) for g, _ in probes):
             self.update(model, probes)  # a NaN g would poison every weight: leave θ for the
