@@ -1,10 +1,11 @@
 """How good are zeroth-order gradients? MeZO's SPSA estimates against mesp's exact gradient, and
 the two trained side by side.
 
-For a direction z ~ N(0, I_d) the one-sample estimate (zᵀg)·z has cosine zᵀg / (|z||g|) with the
-true gradient g: a N(0, 1/d) variable, so E|cos| = √(2/(π·d)). Averaging n estimates (n-SPSA)
-spans only n directions, so while n ≪ d the cosine grows like √(n/d): at Qwen2.5-0.5B's
-d ≈ 4.4M adapter weights that is ≈ 0.0004 for one sample and ≈ 0.003 for 64.
+For a direction z ~ N(0, I_d) the one-sample estimate (zᵀg)·z has cosine |zᵀg| / (|z||g|) with
+the true gradient g, and zᵀg / (|z||g|) ~ N(0, 1/d), so E cos = √(2/(π·d)). The n-sample
+average Σ (z_kᵀg) z_k / n has E[est·g] = |g|² and E|est|² = (d + 1 + n)|g|² / n, so its cosine
+is ≈ √(n / (n + d)): at Qwen2.5-0.5B's d ≈ 4.4M adapter weights ≈ 0.0004 for one sample and
+≈ 0.004 for 64 (measured on random weights: 0.00038 and 0.0037).
 """
 
 from __future__ import annotations

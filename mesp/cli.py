@@ -131,9 +131,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_extensions(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Commands whose parsers live beside their code; each sets `run` on its namespace."""
-    from mesp import export_cli, plan_cli
+    from mesp import bench_cli, export_cli, plan_cli
 
     plan_cli.add_parser(sub)
+    bench_cli.add_parser(sub).set_defaults(run=bench_cli.run)
     export_cli.add_parser(sub)
     for name in ("export", "run-artifacts"):
         sub.choices[name].set_defaults(run=export_cli.run)

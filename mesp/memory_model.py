@@ -79,7 +79,6 @@ class Sizes:
     f: int  # fp32-or-wider math bytes
     quant: QuantSpec | None
     targets: tuple[str, ...]
-    gelu: bool
     qk_norm: bool
     sandwich: bool
     softcap: bool
@@ -122,6 +121,9 @@ def sizes(
     quant: QuantSpec | None,
     dtype: torch.dtype,
 ) -> Sizes:
+    for flag, v in (("--seq-len", seq_len), ("--batch-size", batch), ("--rank", rank)):
+        if v <= 0:
+            raise MespError(f"{flag} must be positive, got {v}")
     spec = FAMILIES[cfg.family]
     e = torch.tensor([], dtype=dtype).element_size()
     f = max(e, 4)
@@ -147,7 +149,6 @@ def sizes(
         f=f,
         quant=quant,
         targets=tuple(targets),
-        gelu=spec.activation != "silu",
         qk_norm=spec.qk_norm,
         sandwich=spec.sandwich_norms,
         softcap=bool(cfg.final_logit_softcapping),
@@ -363,15 +364,18 @@ def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[s
     if not zo:  # all gradients, the state and one tensor's update temporaries
         phases["optimizer"] = state + grads + (adapter // L if opt else 0)
     peak = max(phases, key=lambda k: phases[k])
+    live = {"block backward": g1, "optimizer": grads}.get(peak, 0)
     return {
         "engine": engine,
         "weights": weights,
         "adapter": adapter,
-        "grads": grads,
+        "grads": grads,  # all of them, as after the backward
         "optimizer": opt,
         "checkpoints": ckpt,
-        "saved": saved,
-        "working": phases[peak] - state - ckpt - (saved if engine == "bp" else 0),
+        "saved": saved,  # bp: every block's autograd activations; mebp, mesp: one block's
+        "grads_at_peak": live,
+        # everything else live at the peak: activations, temporaries, RoPE tables
+        "working": phases[peak] - weights - adapter - opt - ckpt - live,
         "total": phases[peak],
         "peak_at": peak,
         **{f"phase:{k}": v for k, v in phases.items()},
@@ -387,12 +391,13 @@ def analytic_floor(
     quant: QuantSpec | None,
     dtype: torch.dtype,
 ) -> int:
-    """Bytes any exact block-wise gradient needs beyond the frozen weights: LoRA parameters and
-    gradients (SGD: no optimizer state) + L block checkpoints + the largest single-block working
-    set (mesp's: the incoming gradient, the tape and the MLP backward) + one CE chunk of fp32
-    logits (c·min(V, v)·4). Weights are excluded: they can be streamed from disk."""
+    """Bytes an exact block-wise LoRA gradient needs beside the frozen weights (which can be
+    streamed): the LoRA parameters and one block's gradients (SGD keeps no state, and a block's
+    gradient can be applied as soon as that block is done) + L block checkpoints + the largest
+    single-block working set (mesp's: the incoming gradient, the tape and the MLP backward) + one
+    CE chunk of fp32 logits, c·min(V, 8192)·4. A sum of parts, not a max over moments."""
     s = sizes(cfg, seq_len, batch, rank, targets, quant, dtype)
-    lora = 2 * adapter_bytes(s)
+    lora = adapter_bytes(s) + block_adapter_bytes(s)
     ckpt = s.L * s.T * s.D * s.e
     block = s.T * s.D * s.e + mesp_block_backward_peak(s)
     chunk = min(CE_ROWS, s.T) * min(VOCAB_CHUNK, s.V) * 4
@@ -598,11 +603,12 @@ def format_plan(p: dict) -> str:
         f"budget {p['budget'] / mib:,.0f} MiB · {p['model']} · seq {p['seq_len']} × batch "
         f"{p['batch']} · rank {p['rank']} · {p['quant']} base · {p['dtype']} · {p['optimizer']}"
     )
-    cols = ("weights", "adapter", "grads", "optimizer", "checkpoints", "working", "total")
+    cols = ("weights", "adapter", "optimizer", "grads_at_peak", "checkpoints", "working", "total")
+    names = ("weights", "adapter", "optim", "grads", "ckpts", "activ", "peak")
     lines = [
         head,
         f"{'engine':6s} "
-        + " ".join(f"{c[:7]:>8s}" for c in cols)
+        + " ".join(f"{c:>8s}" for c in names)
         + f"  {'fits':4s} {'max seq':>8s}  largest {p['family']} that fits",
     ]
     for eng, r in p["engines"].items():
@@ -611,5 +617,8 @@ def format_plan(p: dict) -> str:
         lines.append(
             f"{eng:6s} {nums}  {fits:4s} {r['longest_seq']:>8d}  {r['largest_model'] or '-'}"
         )
-    lines.append("peak = the largest of forward, cross-entropy, block backward and optimizer")
+    lines.append(
+        "MiB of tensors at each engine's peak moment (grads: those live then; activ: activations"
+        " and temporaries); the Python and torch runtime add their own"
+    )
     return "\n".join(lines)

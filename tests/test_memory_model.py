@@ -98,16 +98,31 @@ def check(
     return int(p["total"]), got["total"]
 
 
-# Each engine sees both families, both lengths, and a dense and a quantized base.
+# Each engine sees both families, both lengths, and a dense and a quantized base: 16 cases.
+# The four that run by default cover every engine, family, length and base once; the rest are
+# slow (a tracked step of bp costs several seconds).
+FAST = {
+    ("bp", "qwen2", 64),
+    ("mebp", "gemma3", 64),
+    ("mesp", "qwen2", 256),
+    ("mezo", "gemma3", 256),
+}
 CASES = [
-    (family, seq, Q4 if (family, seq) in {("qwen2", 256), ("gemma3", 64)} else None)
+    pytest.param(
+        engine,
+        family,
+        seq,
+        Q4 if (family, seq) in {("qwen2", 256), ("gemma3", 64)} else None,
+        id=f"{engine}-{family}-{seq}",
+        marks=() if (engine, family, seq) in FAST else pytest.mark.slow,
+    )
+    for engine in ("bp", "mebp", "mesp", "mezo")
     for family in ("qwen2", "gemma3")
     for seq in (64, 256)
 ]
 
 
-@pytest.mark.parametrize("engine", ["bp", "mebp", "mesp", "mezo"])
-@pytest.mark.parametrize("family,seq,quant", CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("engine,family,seq,quant", CASES)
 def test_predicted_peak_matches_measured(
     engine: str, family: str, seq: int, quant: QuantSpec | None
 ) -> None:
@@ -136,12 +151,15 @@ def test_engines_order_and_floor() -> None:
     cfg = shape_config("qwen2.5-0.5b")
     tot = {e: int(predict(cfg, e, 256, 1, quant=Q4)["total"]) for e in ("bp", "mebp", "mesp")}
     assert tot["mesp"] < tot["mebp"] < tot["bp"]
-    p = predict(cfg, "mesp", 256, 1, quant=Q4, optimizer="sgd")
     floors = [
         analytic_floor(cfg, 256, 1, 8, t, Q4, torch.float32)
         for t in [(), ("q_proj", "v_proj"), LORA_TARGETS]
     ]
-    assert 0 < floors[0] < floors[1] < floors[2] < int(p["total"]) - int(p["weights"])
+    assert 0 < floors[0] < floors[1] < floors[2]
+    # a sum of parts (block working set + a CE chunk): near mesp's own peak, far below mebp's
+    sgd = {e: predict(cfg, e, 256, 1, quant=Q4, optimizer="sgd") for e in tot}
+    over = {e: int(p["total"]) - int(p["weights"]) for e, p in sgd.items()}
+    assert 0.8 * over["mesp"] < floors[2] < 1.2 * over["mesp"] < over["mebp"]
 
 
 def test_largest_model_and_longest_seq() -> None:

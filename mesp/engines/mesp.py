@@ -170,25 +170,16 @@ class MeSPEngine:
 
     @torch.no_grad()
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
-        ids = batch.input_ids
-        b, s = ids.shape
-        ctx = model.context(s, ids.device)
         with CheckpointStore(*self.offload) as store:
-            h = model.embed(ids)
-            for i, block in enumerate(model.layers):
-                store.put(i, h)  # block input: the only activation kept across blocks
-                h = block(h, ctx)
-            return self._loss_and_backward(model, batch, normalizer, ctx, h, store)
+            return self._run(model, batch, normalizer, store)
 
-    def _loss_and_backward(
-        self,
-        model: CausalLM,
-        batch: Batch,
-        normalizer: int,
-        ctx: SeqContext,
-        h: Tensor,
-        store: CheckpointStore,
-    ) -> float:
+    def _run(self, model: CausalLM, batch: Batch, normalizer: int, store: CheckpointStore) -> float:
+        ids = batch.input_ids
+        ctx = model.context(ids.shape[1], ids.device)
+        h = model.embed(ids)
+        for i, block in enumerate(model.layers):
+            store.put(i, h)  # block input: the only activation kept across blocks
+            h = block(h, ctx)
         n_layers = len(model.layers)
         store.prefetch(n_layers - 1)  # read the last checkpoint back while the loss runs
         norm = model.model.norm

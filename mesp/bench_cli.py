@@ -1,0 +1,135 @@
+"""`mesp bench {table1,table2,table3,table5,quick}`: thin glue from flags to mesp.bench.
+
+`quick` is table 1 on a tiny 2-layer shape (about a minute; what the tests run); `--quick`
+does the same for any table. Rows accumulate under --out, so tables can be run piece by piece
+(e.g. one --shapes at a time) and --markdown rebuilds the report from all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from mesp.errors import MespError
+
+TABLE_CHOICES = ("table1", "table2", "table3", "table5", "quick")
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(w.strip() for w in text.split(",") if w.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(w) for w in _words(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 4,8,16; got {text!r}") from None
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from mesp.bench import VARIANTS
+
+    p = subparsers.add_parser(
+        "bench",
+        help="the paper's memory/time tables, each configuration in its own process",
+        description=__doc__,
+    )
+    p.add_argument("table", choices=TABLE_CHOICES, help="which table (quick: tiny table 1)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, about a minute")
+    p.add_argument(
+        "--engines",
+        type=_words,
+        default=None,
+        help=f"comma list of variants to run ({', '.join(VARIANTS)}); the table's others "
+        "are recorded as skipped",
+    )
+    p.add_argument("--shapes", type=_words, default=None, help="e.g. qwen2.5-0.5b,qwen2.5-1.5b")
+    p.add_argument("--seq", type=_ints, default=None, help="sequence length(s), comma list")
+    p.add_argument("--rank", type=_ints, default=None, help="LoRA rank(s), comma list")
+    p.add_argument(
+        "--skip",
+        type=_words,
+        default=(),
+        help="configs not to run, e.g. bp@qwen2.5-3b or mebp@qwen2.5-0.5b@4096",
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument(
+        "--matmul",
+        choices=("auto", "native", "fp32"),
+        default="auto",
+        help="bf16 matmuls: fp32-accumulate where the CPU lacks native bf16 GEMM (auto)",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="JSON rows + PNGs")
+    p.add_argument("--markdown", type=Path, default=None, help="(re)write this report")
+    p.add_argument(
+        "--report-only", action="store_true", help="no measurement: rebuild plots and report"
+    )
+    return p
+
+
+def command_line(ns: argparse.Namespace) -> str:
+    """The canonical command that reproduces this run, for the report."""
+    parts = ["mesp", "bench", ns.table]
+    if ns.quick:
+        parts.append("--quick")
+    for flag, val in (("--engines", ns.engines), ("--shapes", ns.shapes), ("--skip", ns.skip)):
+        if val:
+            parts += [flag, ",".join(val)]
+    for flag, val in (("--seq", ns.seq), ("--rank", ns.rank)):
+        if val:
+            parts += [flag, ",".join(map(str, val))]
+    parts += ["--dtype", ns.dtype, "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    if ns.threads:
+        parts += ["--threads", str(ns.threads)]
+    if ns.matmul != "auto":
+        parts += ["--matmul", ns.matmul]
+    parts += ["--out", str(ns.out)]
+    if ns.markdown:
+        parts += ["--markdown", str(ns.markdown)]
+    return shlex.join(parts)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from mesp.bench import BenchOptions, run_table, summary
+    from mesp.bench_report import write_report
+
+    if ns.steps < 1 or ns.warmup < 0:
+        raise MespError("--steps must be >= 1 and --warmup >= 0")
+    quick = ns.quick or ns.table == "quick"
+    table = "table1" if ns.table == "quick" else ns.table
+    if quick and ns.threads is None:
+        ns.threads = 1  # tiny ops: a second thread only adds sync overhead on a busy machine
+    opts = BenchOptions(
+        quick=quick,
+        engines=ns.engines,
+        shapes=ns.shapes,
+        seqs=ns.seq,
+        ranks=ns.rank,
+        skip=tuple(ns.skip),
+        dtype=ns.dtype,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        timeout=ns.timeout,
+        threads=ns.threads,
+        matmul=ns.matmul,
+        out=ns.out,
+        command=command_line(ns),
+    )
+    if not ns.report_only:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        rows = run_table(table, opts)
+        for row in rows:
+            print(summary(row))
+    if ns.markdown is not None:
+        print(f"wrote {write_report(ns.out, ns.markdown, ns.dtype)}")
+    return 0
+
+
+__all__ = ["add_parser", "run"]
