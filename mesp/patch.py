@@ -115,7 +115,7 @@ def _structured_peft_linear() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    """mesp.patch.StructuredPeftLinear, made on demand (also lets serializers find the class by name)."""
+    """mesp.patch.StructuredPeftLinear, made on demand (serializers find the class by name)."""
     if name == "StructuredPeftLinear":
         return _structured_peft_linear()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
