@@ -61,8 +61,9 @@ def save_state(path: Path, model: CausalLM, opt: torch.optim.Optimizer, st: Trai
     }
     # engine state (e.g. mezo's seed stream): tensors go to the file body, the rest to JSON
     meta["engine"] = {k: v for k, v in st.engine.items() if not isinstance(v, torch.Tensor)}
-    tensors.update({f"engine.{k}": v.contiguous() for k, v in st.engine.items()
-                    if isinstance(v, torch.Tensor)})
+    tensors.update(
+        {f"engine.{k}": v.contiguous() for k, v in st.engine.items() if isinstance(v, torch.Tensor)}
+    )
     blob = {"mesp_state": json.dumps(meta)}
     atomic_write(path / STATE_FILE, lambda p: save_file(tensors, p, metadata=blob))
 

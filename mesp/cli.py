@@ -33,6 +33,28 @@ def _add_offload_flags(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_loss_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--loss",
+        default="ce",
+        choices=("ce", "sampled-softmax"),
+        help="exact cross-entropy, or softmax over targets + a vocabulary subset (approximate)",
+    )
+    s.add_argument(
+        "--vocab-subset",
+        type=int,
+        default=1000,
+        metavar="K",
+        help="sampled-softmax: tokens besides the targets (top K of the head at probe rows)",
+    )
+    s.add_argument(
+        "--logits-masking",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="form logits only for trained tokens (--no-logits-masking: for every token)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     from mesp.data import DataConfig
     from mesp.engines import ENGINES
@@ -57,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_offload_flags(s)
     _add_mezo_flags(s)
+    _add_loss_flags(s)
     s.add_argument("--adapter-out", default="adapters", help="directory for the adapter + logs")
     s.add_argument(
         "--nproc",
@@ -120,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--h-strategy", default="recompute", choices=("recompute", "store"))
     _add_offload_flags(s)
     _add_mezo_flags(s)
+    _add_loss_flags(s)
     s.add_argument("--data", dest="path", default=None)
     s.add_argument("--seq-len", type=int, default=128)
     s.add_argument("--batch-size", type=int, default=1)

@@ -21,7 +21,13 @@ from mesp.session import ModelOptions, open_model
 
 
 def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
-    opts: dict[str, object] = {}
+    from mesp.engines.loss import LossSpec
+
+    opts: dict[str, object] = {
+        "loss": LossSpec(
+            ns.loss, ns.vocab_subset, ns.logits_masking, seed=getattr(ns, "seed", 0)
+        )
+    }
     if ns.engine in ("mesp", "mebp") and ns.offload != "none":
         opts.update(
             offload=ns.offload, offload_dir=ns.offload_dir, offload_fallback=ns.offload_fallback
@@ -84,6 +90,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         loaded = open_model(opts, seed=ns.seed)
         model, tok = loaded.model, _tokenizer(loaded)
         _check_seq_len(model, data_cfg.seq_len)
+        engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
         fp = _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg)
         if resume is not None:
             check_fingerprint(resume, fp, out)
@@ -218,7 +225,7 @@ def _launch_torchrun(ns: argparse.Namespace) -> int:
 
 def _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg) -> dict:  # type: ignore[no-untyped-def]
     """What must stay the same for a resumed run to equal an uninterrupted one."""
-    from dataclasses import asdict
+    from dataclasses import asdict, is_dataclass
 
     skip = {"steps", "eval_every", "eval_batches", "save_every", "progress"}
     fp = {
@@ -228,7 +235,7 @@ def _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg) -> dict:  # type: ig
         "group_size": ns.group_size,
         "dtype": ns.dtype,
         "engine": ns.engine,
-        **_engine_opts(ns),
+        **{k: asdict(v) if is_dataclass(v) else v for k, v in _engine_opts(ns).items()},
         "data": asdict(data_cfg),
         "lora": asdict(lora_cfg),
         "train": {k: v for k, v in asdict(train_cfg).items() if k not in skip},
@@ -294,6 +301,7 @@ def cmd_grad(ns: argparse.Namespace) -> int:
     engine = make_engine(ns.engine, **_engine_opts(ns))
     loaded = _model_with_adapter(ns)
     model, tok = loaded.model, _tokenizer(loaded)
+    engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
     if not ns.adapter:
         apply_lora(model, LoraConfig(rank=ns.rank))
     is_file = ns.path is not None and Path(ns.path).is_file()

@@ -285,14 +285,14 @@ def embed(es: EdgeSpec, w: Tensors, ids: Tensor) -> Tensor:
 def _whole_head(
     es: EdgeSpec, w: Tensors, hs: Tensor, tgt: Tensor, norm: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """cross_entropy._whole_head for one row chunk holding every trained row."""
+    """cross_entropy._dense_head for one row chunk holding every trained row."""
     ct = torch.promote_types(hs.dtype, torch.float32)
     wd = dense(w, es.head, hs.dtype)
     loss = torch.zeros((), dtype=ct, device=hs.device)
     z, t = _logits(hs, wd, es.softcap, ct)
     lse = torch.logsumexp(z, -1)
     loss += (lse - z.gather(1, tgt[:, None]).squeeze(1)).sum()
-    return loss, _dlogits(z, t, lse, tgt, norm).to(wd.dtype) @ wd  # type: ignore[arg-type]
+    return loss, _dlogits(z, t, lse, tgt, norm, None).to(wd.dtype) @ wd  # type: ignore[arg-type]
 
 
 def _sliced_head(
@@ -321,7 +321,7 @@ def _sliced_head(
         ws = rows(w, es.head, v0, v1, hs.dtype).to(hs.dtype)
         local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
         z, t = _logits(hs, ws, es.softcap, ct)
-        acc += _dlogits(z, t, lse, local, norm).to(ws.dtype) @ ws  # type: ignore[arg-type]
+        acc += _dlogits(z, t, lse, local, norm, None).to(ws.dtype) @ ws  # type: ignore[arg-type]
     return loss, acc.to(hs.dtype)
 
 

@@ -45,3 +45,15 @@ def grads_of(engine, model: CausalLM, batch: Batch) -> tuple[float, dict[str, to
         p.grad = None
     loss = engine.step(model, batch, batch.n_tokens)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_grads_match(g_ref: dict[str, torch.Tensor], g: dict[str, torch.Tensor]) -> None:
+    """The issue's bar for exact engines: cosine >= 0.999999, max relative error <= 1e-4."""
+    assert g_ref.keys() == g.keys()
+    a = torch.cat([t.flatten().double() for t in g_ref.values()])
+    b = torch.cat([g[k].flatten().double() for k in g_ref])
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=0)
+    assert cos >= 0.999999, cos
+    for k in g_ref:
+        rel = (g[k] - g_ref[k]).abs().max() / g_ref[k].abs().max()
+        assert rel <= 1e-4, (k, rel)

@@ -132,6 +132,10 @@ CASES = {
         "x.gguf",
     ),
     "rank_zero": (lambda e: ["--rank", "0"], "--rank"),
+    "vocab_subset_over_vocab": (
+        lambda e: ["--loss", "sampled-softmax", "--vocab-subset", "100000"],
+        "not smaller than the vocabulary",
+    ),
     "lr_negative": (lambda e: ["--lr", "-1"], "--lr"),
     "lr_nan": (lambda e: ["--lr", "nan"], "--lr"),
     "seq_len_over_max": (lambda e: ["--seq-len", "100000"], "maximum"),

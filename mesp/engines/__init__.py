@@ -28,7 +28,7 @@ def make_engine(name: str, **opts: object) -> Engine:
     if name == "bp":
         from mesp.engines.bp import BPEngine
 
-        return BPEngine()
+        return BPEngine(**opts)  # type: ignore[arg-type]
     if name == "mebp":
         from mesp.engines.mebp import MeBPEngine
 

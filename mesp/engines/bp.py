@@ -4,14 +4,17 @@ backward. The reference all other engines are checked against."""
 from __future__ import annotations
 
 from mesp.data_batches import Batch
-from mesp.engines.loss import ce_sum
+from mesp.engines.loss import LossSpec, autograd_loss_sum
 from mesp.models.transformer import CausalLM
 
 
 class BPEngine:
     name = "bp"
 
+    def __init__(self, loss: LossSpec | None = None) -> None:
+        self.loss = loss or LossSpec()
+
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
-        loss = ce_sum(model(batch.input_ids), batch.targets, batch.mask)
+        loss = autograd_loss_sum(model, model.hidden(batch.input_ids), batch, self.loss)
         (loss / normalizer).backward()
         return loss.item()

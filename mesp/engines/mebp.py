@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mesp.data_batches import Batch
-from mesp.engines.loss import ce_sum
+from mesp.engines.loss import LossSpec, autograd_loss_sum
 from mesp.engines.offload import CheckpointStore
 from mesp.models.transformer import CausalLM
 
@@ -19,9 +19,14 @@ class MeBPEngine:
     name = "mebp"
 
     def __init__(
-        self, offload: str = "none", offload_dir: str | None = None, offload_fallback: bool = False
+        self,
+        offload: str = "none",
+        offload_dir: str | None = None,
+        offload_fallback: bool = False,
+        loss: LossSpec | None = None,
     ) -> None:
         self.offload = (offload, offload_dir, offload_fallback)
+        self.loss = loss or LossSpec()
 
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
         with CheckpointStore(*self.offload) as store:
@@ -39,7 +44,7 @@ class MeBPEngine:
                 h = block(h, ctx)
         # The head and loss run with autograd from the last block's output.
         h = h.requires_grad_()
-        loss = ce_sum(model.logits(model.final_norm(h)), batch.targets, batch.mask)
+        loss = autograd_loss_sum(model, model.final_norm(h), batch, self.loss)
         (loss / normalizer).backward()
         g = h.grad
         del h

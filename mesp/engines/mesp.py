@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mesp.data_batches import Batch
+from mesp.engines.loss import LossSpec
 from mesp.engines.offload import CheckpointStore
 from mesp.errors import MespError
 from mesp.models.linear import Linear
@@ -156,17 +157,21 @@ class MeSPEngine:
     def __init__(
         self,
         h_strategy: str = "recompute",
-        chunk_rows: int = 512,
-        vocab_chunk: int = 8192,
+        chunk_rows: int | None = 512,
+        vocab_chunk: int | None = 8192,
         offload: str = "none",
         offload_dir: str | None = None,
         offload_fallback: bool = False,
+        loss: LossSpec | None = None,
     ) -> None:
+        """chunk_rows None: all trained rows in one logits block; vocab_chunk 0 or None: the
+        head in one piece (with chunk_rows None, the full-logits baseline of the ladder)."""
         if h_strategy not in H_STRATEGIES:
             raise MespError(f"--h-strategy must be one of {', '.join(H_STRATEGIES)}")
         self.store_h = h_strategy == "store"
         self.chunk_rows, self.vocab_chunk = chunk_rows, vocab_chunk
         self.offload = (offload, offload_dir, offload_fallback)
+        self.loss = loss or LossSpec()
 
     @torch.no_grad()
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
@@ -184,16 +189,15 @@ class MeSPEngine:
         store.prefetch(n_layers - 1)  # read the last checkpoint back while the loss runs
         norm = model.model.norm
         hn = norm(h)
-        vchunk = self.vocab_chunk if self.vocab_chunk < model.config.vocab_size else None
+        self.loss.check(model.config.vocab_size)
         loss, _, dhn = chunked_ce_loss_and_grad(
             hn,
             batch.targets,
             batch.mask,
             model.head_weight(),
             model.config.final_logit_softcapping,
-            self.chunk_rows,
-            vchunk,
-            normalizer,
+            normalizer=normalizer,
+            opts=self.loss.ce_options(self.chunk_rows, self.vocab_chunk),
         )
         del hn
         g = _norm_bwd(dhn, h, norm)

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from mesp.data_batches import Batch
+from mesp.engines.loss import LossSpec
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import chunked_ce_loss
@@ -58,6 +59,7 @@ class MeZOEngine:
         perturb_all: bool = False,
         chunk_rows: int = 512,
         vocab_chunk: int = 8192,
+        loss: LossSpec | None = None,
     ) -> None:
         if samples < 1:
             raise MespError(f"mezo samples must be at least 1, got {samples}")
@@ -66,6 +68,7 @@ class MeZOEngine:
         self.lr, self.eps, self.samples, self.weight_decay = lr, eps, samples, weight_decay
         self.perturb_all = perturb_all
         self.chunk_rows, self.vocab_chunk = chunk_rows, vocab_chunk
+        self.loss = loss or LossSpec()
         self._seeds = torch.Generator().manual_seed(seed)  # draws one seed per probe
         self._last: list[tuple[float, int]] = []
         # set by the trainer under data parallelism: sums a list of floats over all ranks
@@ -90,10 +93,10 @@ class MeZOEngine:
     def loss_sum(self, model: CausalLM, batch: Batch) -> float:
         """Summed token loss, forward only: one block's activations and one CE chunk at a time."""
         h = model.hidden(batch.input_ids)
-        v = model.config.vocab_size
-        vchunk = self.vocab_chunk if self.vocab_chunk < v else None
+        self.loss.check(model.config.vocab_size)
         head, cap = model.head_weight(), model.config.final_logit_softcapping
-        loss, _ = chunked_ce_loss(h, batch.targets, batch.mask, head, cap, self.chunk_rows, vchunk)
+        opts = self.loss.ce_options(self.chunk_rows, self.vocab_chunk)
+        loss, _ = chunked_ce_loss(h, batch.targets, batch.mask, head, cap, opts=opts)
         return float(loss)
 
     def directions(self, model: CausalLM, seed: int) -> Iterator[tuple[str, Tensor, Tensor]]:

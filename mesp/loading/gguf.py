@@ -29,14 +29,40 @@ from mesp.tokenizer import Tokenizer
 
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # Q5_0/Q5_1 are here because llama.cpp's Q4_K_M mixes use them (Gemma 3 270M has 81 Q5_0 tensors).
-SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
-                   QT.Q4_K, QT.Q5_K, QT.Q6_K}
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-           11: "<q", 12: "<d"}
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
-           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+SUPPORTED_TYPES = {
+    QT.F32,
+    QT.F16,
+    QT.BF16,
+    QT.Q8_0,
+    QT.Q4_0,
+    QT.Q4_1,
+    QT.Q5_0,
+    QT.Q5_1,
+    QT.Q4_K,
+    QT.Q5_K,
+    QT.Q6_K,
+}
+_SCALAR = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = {
-    "attn_norm.weight": "input_layernorm.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
     **{f"attn_{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkv" for p in ("weight", "bias")},
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -44,14 +70,30 @@ _LAYER = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 # Gemma 3 has four norms per block; llama.cpp names the pre-MLP one ffn_norm like llama's.
-_GEMMA_LAYER = {**_LAYER, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                "post_attention_norm.weight": "post_attention_layernorm.weight",
-                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
-_CORE = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-         "ffn_down", "ffn_norm"]
+_GEMMA_LAYER = {
+    **_LAYER,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_CORE = [
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_norm",
+]
 _QK_NORM = ["attn_q_norm", "attn_k_norm"]
-_REQUIRED = {"llama": _CORE, "qwen2": _CORE, "qwen3": _CORE + _QK_NORM,
-             "gemma3": _CORE + _QK_NORM + ["post_attention_norm", "post_ffw_norm"]}
+_REQUIRED = {
+    "llama": _CORE,
+    "qwen2": _CORE,
+    "qwen3": _CORE + _QK_NORM,
+    "gemma3": _CORE + _QK_NORM + ["post_attention_norm", "post_ffw_norm"],
+}
 
 
 class _Info(NamedTuple):
@@ -69,8 +111,10 @@ class _Header:
 
     def take(self, n: int) -> int:
         if self.pos + n > len(self.buf):
-            raise MespError(f"{self.where}: truncated GGUF file (header runs past the end, "
-                            f"byte {len(self.buf)})")
+            raise MespError(
+                f"{self.where}: truncated GGUF file (header runs past the end, "
+                f"byte {len(self.buf)})"
+            )
         self.pos += n
         return self.pos - n
 
@@ -81,7 +125,7 @@ class _Header:
     def string(self) -> str:
         n = self.scalar(10)
         start = self.take(n)
-        return self.buf[start:start + n].decode("utf-8", errors="replace")
+        return self.buf[start : start + n].decode("utf-8", errors="replace")
 
     def value(self, vtype: int) -> Any:
         if vtype == 8:
@@ -128,19 +172,24 @@ def _parse(buf: mmap.mmap, where: str) -> tuple[dict[str, Any], dict[str, _Info]
         try:
             qtype = QT(type_id)
         except ValueError:
-            raise MespError(f"{where}: tensor '{name}' has unknown ggml type id {type_id}"
-                            ) from None
+            raise MespError(
+                f"{where}: tensor '{name}' has unknown ggml type id {type_id}"
+            ) from None
         if qtype not in SUPPORTED_TYPES:
-            raise MespError(f"{where}: tensor '{name}' has unsupported quant type {qtype.name} "
-                            f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})")
+            raise MespError(
+                f"{where}: tensor '{name}' has unsupported quant type {qtype.name} "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+            )
         block, type_size = GGML_QUANT_SIZES[qtype]
         if not dims or dims[0] % block:
             raise MespError(f"{where}: corrupt GGUF file (tensor '{name}' dims {dims})")
         nbytes = math.prod(dims) // block * type_size
         start = data_start + offset
         if start + nbytes > len(buf):
-            raise MespError(f"{where}: truncated GGUF file (tensor '{name}' ends at byte "
-                            f"{start + nbytes}, file has {len(buf)})")
+            raise MespError(
+                f"{where}: truncated GGUF file (tensor '{name}' ends at byte "
+                f"{start + nbytes}, file has {len(buf)})"
+            )
         infos[name] = _Info(qtype, tuple(reversed(dims)), start, nbytes)
     return meta, infos
 
@@ -162,15 +211,19 @@ def _hf_config(meta: dict[str, Any], infos: dict[str, _Info], arch: str, where: 
     cfg: dict[str, Any] = {
         "model_type": ARCHS[arch],
         "vocab_size": infos["token_embd.weight"].shape[0],  # rows the model actually has
-        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(get("rope.freq_base", 1e6 if arch == "gemma3" else 1e4)),
         "max_position_embeddings": int(get("context_length")),
         "tie_word_embeddings": "output.weight" not in infos,
         "attention_bias": "blk.0.attn_q.bias" in infos,
-        "hidden_act": "silu", "rope_scaling": None,
+        "hidden_act": "silu",
+        "rope_scaling": None,
     }
     for key, tok_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         cfg[f"{key}_token_id"] = meta.get(f"tokenizer.ggml.{tok_key}_token_id")
@@ -182,21 +235,27 @@ def _hf_config(meta: dict[str, Any], infos: dict[str, _Info], arch: str, where: 
     if arch == "gemma3":
         n = cfg["num_hidden_layers"]
         pattern = get("attention.sliding_window_pattern", 6)  # llama.cpp's built-in default
-        sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
-                   else [(i + 1) % int(pattern) != 0 for i in range(n)])
+        sliding = (
+            [bool(x) for x in pattern]
+            if isinstance(pattern, list)
+            else [(i + 1) % int(pattern) != 0 for i in range(n)]
+        )
         # llama.cpp: attention scale is 1/sqrt(hidden/heads) for 27B (62 layers), else head_dim.
         scale = get("attention.scale", None)
         del cfg["hidden_act"]
-        cfg.update({
-            "hidden_activation": "gelu_pytorch_tanh",
-            "sliding_window": int(get("attention.sliding_window")),
-            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-            "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
-            "query_pre_attn_scalar": (1.0 / scale**2 if scale else
-                                      hidden // heads if n == 62 else head_dim),
-            "final_logit_softcapping": get("final_logit_softcapping", None),
-            "attn_logit_softcapping": get("attn_logit_softcapping", None),
-        })
+        cfg.update(
+            {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "sliding_window": int(get("attention.sliding_window")),
+                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+                "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+                "query_pre_attn_scalar": (
+                    1.0 / scale**2 if scale else hidden // heads if n == 62 else head_dim
+                ),
+                "final_logit_softcapping": get("final_logit_softcapping", None),
+                "attn_logit_softcapping": get("attn_logit_softcapping", None),
+            }
+        )
     return cfg
 
 
@@ -220,18 +279,27 @@ def _llama3_rope_scaling(factors: np.ndarray, cfg: dict, where: str) -> dict | N
 
     low, high = 1.0, 4.0
     mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
-    if factors.shape == inv_wavelen.shape and not np.allclose(factors, divisors(low, high),
-                                                               rtol=1e-4) and mid.sum() >= 2:
+    if (
+        factors.shape == inv_wavelen.shape
+        and not np.allclose(factors, divisors(low, high), rtol=1e-4)
+        and mid.sum() >= 2
+    ):
         # smooth = (orig / wavelen - low) / (high - low) is linear in 1 / wavelen.
         smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
         slope, icept = np.polyfit(inv_wavelen[mid], smooth, 1)
         low = float(-icept * orig / slope)
         high = low + float(orig / slope)
-    if factors.shape != inv_wavelen.shape or not np.allclose(factors, divisors(low, high),
-                                                             rtol=1e-4):
+    if factors.shape != inv_wavelen.shape or not np.allclose(
+        factors, divisors(low, high), rtol=1e-4
+    ):
         raise MespError(f"{where}: rope_freqs tensor does not match Llama 3 rope scaling")
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-            "high_freq_factor": high, "original_max_position_embeddings": orig}
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": orig,
+    }
 
 
 def _undo_converter(name: str, w: np.ndarray, arch: str, cfg: dict, where: str) -> np.ndarray:
@@ -261,8 +329,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
         meta, infos = _parse(buf, where)
         arch = meta.get("general.architecture")
         if arch not in ARCHS:
-            raise MespError(f"{where}: general.architecture = {arch!r} is not supported "
-                            f"({', '.join(ARCHS)})")
+            raise MespError(
+                f"{where}: general.architecture = {arch!r} is not supported ({', '.join(ARCHS)})"
+            )
         try:
             cfg = _hf_config(meta, infos, arch, where)
         except (TypeError, ValueError) as e:  # a key holding the wrong kind of value
@@ -271,8 +340,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
         layer_map = _GEMMA_LAYER if arch == "gemma3" else _LAYER
         n_layers = cfg["num_hidden_layers"]
         wanted = [f"blk.{i}.{t}.weight" for i in range(n_layers) for t in _REQUIRED[arch]]
-        wanted += [f"blk.{i}.attn_{x}.bias" for i in range(n_layers) for x in "qkv"
-                   if arch == "qwen2"] + ["output_norm.weight"]
+        wanted += [
+            f"blk.{i}.attn_{x}.bias" for i in range(n_layers) for x in "qkv" if arch == "qwen2"
+        ] + ["output_norm.weight"]
         if missing := [n for n in wanted if n not in infos]:
             raise MespError(f"{where}: missing tensor '{missing[0]}' ({len(missing)} missing)")
         plan: dict[str, str] = {}  # GGUF name -> HF name, checked before any dequantizing
@@ -287,8 +357,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
         tensors: dict[str, torch.Tensor] = {}
         for name, info in infos.items():  # one at a time: peak memory is one tensor's copy
             raw = np.frombuffer(buf, np.uint8, info.nbytes, info.start)
-            values = dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)),
-                                info.qtype)
+            values = dequantize(
+                raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)), info.qtype
+            )
             if np.may_share_memory(values, raw):  # F32 dequantizes to a view of the map
                 values = values.copy()
             del raw

@@ -39,16 +39,29 @@ _TEKKEN_SPLIT = (
 # tokenizer.ggml.pre -> regex split before byte-level BPE. None = GPT-2's regex (ByteLevel's own);
 # "digits" = GPT-2's regex after isolating every digit, as SmolLM2's tokenizer.json does.
 _PRE: dict[str, str | None] = {
-    "default": None, "gpt2": None,
-    "smollm": "digits", "starcoder": "digits", "refact": "digits",
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"],
-                    _LLAMA3_SPLIT),
+    "default": None,
+    "gpt2": None,
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"], _LLAMA3_SPLIT
+    ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
     "tekken": _TEKKEN_SPLIT,
 }
 # Token texts llama.cpp treats as end-of-generation when they are control tokens.
-_STOP_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-               "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+_STOP_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+)
 
 
 @cache
@@ -64,15 +77,20 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-def _merges_from_vocab(vocab: dict[str, int], priority: Mapping[str, float],
-                       ) -> list[tuple[str, str]]:
+def _merges_from_vocab(
+    vocab: dict[str, int],
+    priority: Mapping[str, float],
+) -> list[tuple[str, str]]:
     """SentencePiece files list no merges: every split of a token into two tokens is a merge,
     ranked by the whole token's priority (ties: longer left piece first), as transformers'
     `generate_merges` does."""
     merges: list[tuple[str, str, float]] = []
     for token, score in priority.items():
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
         merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]
@@ -82,27 +100,46 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], where: str) -> HFTok
     alphabet = _bytes_to_unicode()
     spelled = set(alphabet.values())
     # Every real byte-level token is already spelled in the alphabet; respell any stray one.
-    vocab = {t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode()): i
-             for i, t in enumerate(tokens)}
+    vocab = {
+        t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode()): i
+        for i, t in enumerate(tokens)
+    }
     if "tokenizer.ggml.merges" not in meta:
         raise MespError(f"{where}: missing metadata key 'tokenizer.ggml.merges'")
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE:
-        raise MespError(f"{where}: tokenizer.ggml.pre = {pre!r} is not supported "
-                        f"({', '.join(sorted(_PRE))})")
+        raise MespError(
+            f"{where}: tokenizer.ggml.pre = {pre!r} is not supported ({', '.join(sorted(_PRE))})"
+        )
     split = _PRE[pre]
-    tok = HFTokenizer(BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
-                          end_of_word_suffix="", fuse_unk=False,
-                          ignore_merges=split == _LLAMA3_SPLIT))  # llama.cpp does for llama3
+    tok = HFTokenizer(
+        BPE(
+            vocab,
+            merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            ignore_merges=split == _LLAMA3_SPLIT,
+        )
+    )  # llama.cpp does for llama3
     if split is None or split == "digits":
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = (
+            byte_level
+            if split is None
+            else pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        )
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if split == _QWEN2_SPLIT:
         tok.normalizer = normalizers.NFC()  # Qwen's own tokenizer.json normalizes to NFC
     tok.decoder = decoders.ByteLevel()
@@ -120,8 +157,16 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], unk: str | None) 
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         priority = dict(zip(tokens, scores, strict=True))
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = HFTokenizer(BPE(vocab, _merges_from_vocab(vocab, priority), fuse_unk=True,
-                          byte_fallback=True, unk_token=unk, dropout=None))
+    tok = HFTokenizer(
+        BPE(
+            vocab,
+            _merges_from_vocab(vocab, priority),
+            fuse_unk=True,
+            byte_fallback=True,
+            unk_token=unk,
+            dropout=None,
+        )
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if gemma:  # Gemma has no dummy prefix: spaces simply become "▁"
         tok.normalizer = normalizers.Replace(" ", "▁")
@@ -129,7 +174,8 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], unk: str | None) 
     else:
         prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         tok.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+            replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+        )
         steps += [decoders.Strip(" ", 1, 0)] if prefix else []
     tok.decoder = decoders.Sequence(steps)
     return tok
@@ -140,8 +186,9 @@ def _special_id(meta: Mapping[str, Any], key: str, n: int, where: str) -> int | 
     if value is None:
         return None
     if not isinstance(value, int) or not 0 <= value < n:
-        raise MespError(f"{where}: tokenizer.ggml.{key} = {value!r} is outside the vocabulary "
-                        f"(size {n})")
+        raise MespError(
+            f"{where}: tokenizer.ggml.{key} = {value!r} is outside the vocabulary (size {n})"
+        )
     return value
 
 
@@ -155,8 +202,10 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], where: str) -> Tokenizer:
     if len(types) != len(tokens):
         raise MespError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
     typed = list(zip(tokens, types, strict=True))
-    ids = {k: _special_id(meta, f"{k}_token_id", len(tokens), where)
-           for k in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+    ids = {
+        k: _special_id(meta, f"{k}_token_id", len(tokens), where)
+        for k in ("bos", "eos", "unknown", "padding", "eot", "eom")
+    }
     try:
         return _build(meta, model, tokens, typed, ids, where)
     except Exception as e:  # `tokenizers` raises bare Exceptions on bad vocab/merges
@@ -165,8 +214,14 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], where: str) -> Tokenizer:
         raise MespError(f"{where}: cannot build the tokenizer: {e}") from None
 
 
-def _build(meta: Mapping[str, Any], model: str, tokens: list[str],
-           typed: list[tuple[str, int]], ids: dict[str, int | None], where: str) -> Tokenizer:
+def _build(
+    meta: Mapping[str, Any],
+    model: str,
+    tokens: list[str],
+    typed: list[tuple[str, int]],
+    ids: dict[str, int | None],
+    where: str,
+) -> Tokenizer:
     if model == "gpt2":
         backend = _byte_level(meta, tokens, where)
         spelled = set(_bytes_to_unicode().values())
@@ -184,10 +239,16 @@ def _build(meta: Mapping[str, Any], model: str, tokens: list[str],
     # are matched whole too but decoded like text.
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     vocab = backend.get_vocab()
-    backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, ty in typed if ty == USER_DEFINED and t in vocab])
-    extra = [ids["eot"], ids["eom"]] + [i for i, (t, ty) in enumerate(typed)
-                                         if ty == CONTROL and t in _STOP_TEXTS]
+    backend.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in typed
+            if ty == USER_DEFINED and t in vocab
+        ]
+    )
+    extra = [ids["eot"], ids["eom"]] + [
+        i for i, (t, ty) in enumerate(typed) if ty == CONTROL and t in _STOP_TEXTS
+    ]
     template = meta.get("tokenizer.chat_template")
     return Tokenizer(
         backend=backend,

@@ -80,13 +80,19 @@ def _check_complete(shard: Path) -> None:
         try:
             header = json.loads(f.read(n))
             ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError,
-                IndexError, ValueError):
+        except (
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            AttributeError,
+            KeyError,
+            TypeError,
+            IndexError,
+            ValueError,
+        ):
             raise MespError(f"{shard}: corrupt safetensors header") from None
     if size < 8 + n + max(ends, default=0):
         raise MespError(
-            f"{shard}: truncated safetensors file ({size} bytes, "
-            f"header needs {8 + n + max(ends)})"
+            f"{shard}: truncated safetensors file ({size} bytes, header needs {8 + n + max(ends)})"
         )
 
 

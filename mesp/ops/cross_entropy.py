@@ -10,10 +10,13 @@ model's own `logits` computes them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from mesp.models.linear import FrozenWeight
+from mesp.ops.sampled_softmax import choose_subset, subset_head
 
 
 def _logits(hc: Tensor, w: Tensor, cap: float | None, ct: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -26,15 +29,24 @@ def _logits(hc: Tensor, w: Tensor, cap: float | None, ct: torch.dtype) -> tuple[
     return t * cap, t
 
 
-def _dlogits(z: Tensor, t: Tensor, lse: Tensor, tgt: Tensor | None, norm: float) -> Tensor:
-    """In place on z: (softmax − onehot)/norm, times cap'(z) = 1 − tanh² when capped.
+def _dlogits(
+    z: Tensor, t: Tensor, lse: Tensor, tgt: Tensor | None, norm: float, rw: Tensor | None
+) -> Tensor:
+    """In place on z: (softmax − onehot)/norm, times cap'(z) = 1 − tanh² when capped, times
+    the row weight rw (0 for rows that only pay for their logits, see `mask_logits`).
     tgt (c,) holds each row's target column in this slice, or −1 where it lies elsewhere."""
     p = z.sub_(lse[:, None]).exp_()
     if tgt is not None:
         rows = (tgt >= 0).nonzero().squeeze(1)
         p[rows, tgt[rows]] -= 1.0
     p.div_(norm)
+    if rw is not None:
+        p.mul_(rw[:, None])
     return p.mul_(t.square_().neg_().add_(1.0)) if t.numel() else p
+
+
+def _weighted(x: Tensor, rw: Tensor | None) -> Tensor:
+    return x if rw is None else x * rw
 
 
 def _select(h: Tensor, targets: Tensor, mask: Tensor, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -47,22 +59,29 @@ def _select(h: Tensor, targets: Tensor, mask: Tensor, vocab: int) -> tuple[Tenso
     return h2, ids, tgt
 
 
-def _whole_head(
-    hs: Tensor, tgt: Tensor, head: FrozenWeight, cap: float | None, rows: int, norm: float | None
+def _dense_head(
+    hs: Tensor,
+    tgt: Tensor,
+    w: Tensor,
+    cap: float | None,
+    rows: int,
+    norm: float | None,
+    rw: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """hs (n, D) -> (loss sum, dhs (n, D) or None when norm is None). The head is dequantized
-    once; one (rows × V) logits block (and its tanh when capped) lives at a time."""
+    """hs (n, D), w (v, D) dense head rows, tgt (n,) columns of w -> (loss sum, dhs (n, D) or
+    None when norm is None). One (rows × v) logits block (and its tanh when capped) at a time."""
     ct = torch.promote_types(hs.dtype, torch.float32)
-    w = head.dense(hs.dtype)
     loss = torch.zeros((), dtype=ct, device=hs.device)
     dhs = None if norm is None else torch.empty_like(hs)
     for r0 in range(0, hs.shape[0], rows):
         hc, tc = hs[r0 : r0 + rows], tgt[r0 : r0 + rows]
+        rc = None if rw is None else rw[r0 : r0 + rows]
         z, t = _logits(hc, w, cap, ct)
         lse = torch.logsumexp(z, -1)
-        loss += (lse - z.gather(1, tc[:, None]).squeeze(1)).sum()
+        loss += _weighted(lse - z.gather(1, tc[:, None]).squeeze(1), rc).sum()
         if dhs is not None and norm is not None:
-            dhs[r0 : r0 + rows] = _dlogits(z, t, lse, tc, norm).to(w.dtype) @ w  # (c,V)(V,D)
+            dhs[r0 : r0 + rows] = _dlogits(z, t, lse, tc, norm, rc).to(w.dtype) @ w  # (c,v)(v,D)
+        del z, t, lse
     return loss, dhs
 
 
@@ -74,9 +93,10 @@ def _sliced_head(
     rows: int,
     vchunk: int,
     norm: float | None,
+    rw: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """As _whole_head, but with the head in vocabulary slices (outer loop, so each slice is
-    dequantized once per pass). Pass 1, online logsumexp: with m the running max,
+    """As _dense_head over the whole head, but with the head in vocabulary slices (outer loop,
+    so each slice is dequantized once per pass). Pass 1, online logsumexp: with m the running max,
     s ← s·e^(m−m') + Σ e^(z−m'), lse = m + log s. Pass 2 re-forms each slice's logits and
     accumulates dhs += dlogits_slice · W_slice (the vocabulary sum of dh = dlogits W)."""
     ct = torch.promote_types(hs.dtype, torch.float32)
@@ -98,7 +118,7 @@ def _sliced_head(
             del z  # free this chunk's logits before the next is formed
         del w  # and this slice before the next is dequantized
     lse = m.add_(s.log_())
-    loss = (lse - tz).sum()
+    loss = _weighted(lse - tz, rw).sum()
     if norm is None:
         return loss, None
     acc = torch.zeros(hs.shape, dtype=ct, device=hs.device)
@@ -107,11 +127,26 @@ def _sliced_head(
         local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
         for r0 in range(0, n, rows):
             z, t = _logits(hs[r0 : r0 + rows], w, cap, ct)
-            p = _dlogits(z, t, lse[r0 : r0 + rows], local[r0 : r0 + rows], norm)
+            rc = None if rw is None else rw[r0 : r0 + rows]
+            p = _dlogits(z, t, lse[r0 : r0 + rows], local[r0 : r0 + rows], norm, rc)
             acc[r0 : r0 + rows] += p.to(w.dtype) @ w  # (c, v)(v, D)
             del z, t, p
         del w
     return loss, acc.to(hs.dtype)
+
+
+@dataclass(frozen=True)
+class CEOptions:
+    """How the loss head runs. `chunk_rows` None: all rows in one block (the full-logits
+    baseline); `vocab_chunk` None: the head in one piece. `mask_logits` False still trains only
+    mask=True rows but forms logits for every row (the cost logits masking removes).
+    `vocab_subset` K: softmax over targets + K proxy-chosen tokens (see sampled_softmax)."""
+
+    chunk_rows: int | None = 1024
+    vocab_chunk: int | None = None
+    mask_logits: bool = True
+    vocab_subset: int | None = None
+    seed: int = 0
 
 
 def _run(
@@ -120,12 +155,12 @@ def _run(
     mask: Tensor,
     head: FrozenWeight,
     softcap: float | None,
-    chunk_rows: int,
-    vocab_chunk: int | None,
+    opts: CEOptions,
     normalizer: float | None,
     grad: bool,
 ) -> tuple[Tensor, int, Tensor | None]:
-    h2, ids, tgt = _select(h, targets, mask, head.out_features)
+    vocab = head.out_features
+    h2, ids, tgt = _select(h, targets, mask, vocab)
     n = ids.numel()
     ct = torch.promote_types(h.dtype, torch.float32)
     if n == 0:
@@ -135,13 +170,36 @@ def _run(
         norm = float(n if normalizer is None else normalizer)
         if norm <= 0:
             raise ValueError(f"normalizer must be positive, got {normalizer}")
-    hs = h2.index_select(0, ids)  # (n, D): trained rows only
-    if vocab_chunk is None:
-        loss, dhs = _whole_head(hs, tgt, head, softcap, chunk_rows, norm)
+    rw = None
+    if opts.mask_logits:
+        hs = h2.index_select(0, ids)  # (n, D): trained rows only
+    else:  # every row forms logits; untrained rows weigh 0 (target 0 is a placeholder)
+        hs, rw = h2, mask.reshape(-1).to(ct)
+        tgt = torch.zeros(h2.shape[0], dtype=tgt.dtype, device=h.device).index_copy_(0, ids, tgt)
+    rows = opts.chunk_rows or hs.shape[0]
+    vchunk = opts.vocab_chunk if opts.vocab_chunk and opts.vocab_chunk < vocab else None
+    if opts.vocab_subset is not None:
+        trained = hs if rw is None else h2.index_select(0, ids)
+        subset = choose_subset(
+            trained,
+            tgt if rw is None else tgt.index_select(0, ids),
+            head,
+            opts.vocab_subset,
+            opts.seed,
+            vchunk or vocab,
+        )
+        del trained
+        w, local = subset_head(head, subset, tgt, hs.dtype)
+        loss, dhs = _dense_head(hs, local, w, softcap, rows, norm, rw)
+        del w
+    elif vchunk is None:
+        loss, dhs = _dense_head(hs, tgt, head.dense(hs.dtype), softcap, rows, norm, rw)
     else:
-        loss, dhs = _sliced_head(hs, tgt, head, softcap, chunk_rows, vocab_chunk, norm)
+        loss, dhs = _sliced_head(hs, tgt, head, softcap, rows, vchunk, norm, rw)
     if dhs is None:
         return loss, n, None
+    if rw is not None:
+        return loss, n, dhs.view(h.shape)
     dh = torch.zeros_like(h2).index_copy_(0, ids, dhs)  # zero at untrained rows
     return loss, n, dh.view(h.shape)
 
@@ -152,18 +210,19 @@ def chunked_ce_loss_and_grad(
     mask: Tensor,
     head: FrozenWeight,
     softcap: float | None,
-    chunk_rows: int = 1024,
+    chunk_rows: int | None = 1024,
     vocab_chunk: int | None = None,
     normalizer: float | None = None,
+    opts: CEOptions | None = None,
 ) -> tuple[Tensor, int, Tensor]:
     """h (N, D) (or (B, S, D)) final-normed states, targets/mask (N,) -> (summed loss over
     trained rows, as a 0-d fp32 tensor (fp64 for fp64 h); their count n; dh like h).
     dh is the gradient of loss_sum / normalizer (default n, i.e. of the mean loss):
     with p = softmax(z), ∂loss/∂z = p − onehot(target); z = cap·tanh(u/cap) adds the factor
-    1 − tanh²(u/cap); u = h Wᵀ gives dh = du W. Rows with mask False get zeros."""
-    loss, n, dh = _run(
-        h, targets, mask, head, softcap, chunk_rows, vocab_chunk, normalizer, grad=True
-    )
+    1 − tanh²(u/cap); u = h Wᵀ gives dh = du W. Rows with mask False get zeros.
+    `opts`, when given, replaces chunk_rows / vocab_chunk."""
+    o = opts or CEOptions(chunk_rows, vocab_chunk)
+    loss, n, dh = _run(h, targets, mask, head, softcap, o, normalizer, grad=True)
     assert dh is not None
     return loss, n, dh
 
@@ -174,9 +233,11 @@ def chunked_ce_loss(
     mask: Tensor,
     head: FrozenWeight,
     softcap: float | None,
-    chunk_rows: int = 1024,
+    chunk_rows: int | None = 1024,
     vocab_chunk: int | None = None,
+    opts: CEOptions | None = None,
 ) -> tuple[Tensor, int]:
     """Forward only (evaluation): (summed loss over trained rows, their count)."""
-    loss, n, _ = _run(h, targets, mask, head, softcap, chunk_rows, vocab_chunk, None, grad=False)
+    o = opts or CEOptions(chunk_rows, vocab_chunk)
+    loss, n, _ = _run(h, targets, mask, head, softcap, o, None, grad=False)
     return loss, n
