@@ -24,9 +24,7 @@ def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
     from mesp.engines.loss import LossSpec
 
     opts: dict[str, object] = {
-        "loss": LossSpec(
-            ns.loss, ns.vocab_subset, ns.logits_masking, seed=getattr(ns, "seed", 0)
-        )
+        "loss": LossSpec(ns.loss, ns.vocab_subset, ns.logits_masking, seed=getattr(ns, "seed", 0))
     }
     if ns.engine in ("mesp", "mebp") and ns.offload != "none":
         opts.update(

