@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mesp.data_batches import Batch
+from mesp.data_batches import Batch, keep_last_fraction
 from mesp.errors import MespError
 from mesp.memory_rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
 from mesp.memory_tracker import LiveTensorTracker, adapter_tensors
@@ -165,6 +165,16 @@ class ChildConfig:
     seed: int = 0
     threads: int | None = None  # torch threads; None: torch's default (all cores)
     matmul: str = "auto"  # auto | native | fp32: see Fp32Matmul
+    # "meta": the exact tracker on the meta device (bytes without arithmetic; no RSS, no time)
+    device: str = "cpu"
+    loss: str = "ce"  # ce | sampled-softmax
+    vocab_subset: int = 1000
+    mask_logits: bool = True
+    chunk_rows: int | None = 512  # mesp's CE: None = every row at once
+    vocab_chunk: int | None = 8192  # mesp's CE: None = the head in one piece
+    offload: str = "none"
+    stream_weights: bool = False  # mesp: block weights on disk, streamed
+    loss_fraction: float = 1.0  # trained share of positions (the last ones of the row)
 
 
 def shape_dict(name: str) -> dict[str, Any]:
@@ -192,10 +202,12 @@ def _mesp_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step,
 
     cfg = ModelConfig.from_hf(shape_dict(c.shape), source=c.shape)
     quant = QuantSpec(c.bits, c.group_size) if c.bits else None
-    model = random_model(cfg, quant, dtype, seed=c.seed)
+    model = random_model(cfg, quant, dtype, seed=c.seed, device=c.device)
     apply_lora(model, LoraConfig(rank=c.rank), seed=c.seed)
-    opts = {"h_strategy": c.h_strategy} if c.engine == "mesp" else {}
-    engine = make_engine(c.engine, **opts)
+    model.to(c.device)  # the adapter too, on a meta model
+    engine = make_engine(c.engine, **_engine_opts(c))
+    if c.stream_weights:  # before the weights are listed: streamed blocks leave memory now
+        engine.attach(model)  # type: ignore[attr-defined]
     params = model.lora_parameters()
     opt = make_optimizer(params, "sgd", 1e-4, 0.0)
     n = batch.n_tokens
@@ -207,6 +219,18 @@ def _mesp_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step,
         return loss
 
     return step, list(model.buffers()), params, (opt, cfg, quant)
+
+
+def _engine_opts(c: ChildConfig) -> dict[str, Any]:
+    from mesp.engines.loss import LossSpec
+
+    opts: dict[str, Any] = {"loss": LossSpec(c.loss, c.vocab_subset, c.mask_logits, c.seed)}
+    if c.engine in ("mesp", "mebp"):
+        opts["offload"] = c.offload
+    if c.engine == "mesp":
+        opts.update(h_strategy=c.h_strategy, chunk_rows=c.chunk_rows, vocab_chunk=c.vocab_chunk)
+        opts["stream_weights"] = c.stream_weights
+    return opts
 
 
 def _peft_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step, list, list, Any]:
@@ -282,7 +306,10 @@ def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
     vocab = shape_dict(c.shape)["vocab_size"]
     g = torch.Generator().manual_seed(c.seed + 1)
     ids = torch.randint(0, vocab, (c.batch, c.seq + 1), generator=g)
-    batch = Batch(ids[:, :-1], ids[:, 1:], torch.ones(c.batch, c.seq, dtype=torch.bool))
+    mask = torch.ones(c.batch, c.seq, dtype=torch.bool)
+    batch = keep_last_fraction(Batch(ids[:, :-1], ids[:, 1:], mask), c.loss_fraction)
+    if c.device == "meta":  # inputs as meta tensors; targets and mask stay on the host
+        batch = Batch(batch.input_ids.to("meta"), batch.targets, batch.mask)
     t0 = time.perf_counter()
     setup = _peft_setup if c.engine == "peft" else _mesp_setup
     step, weights, params, (opt, cfg, quant) = setup(c, dtype, batch)
@@ -307,7 +334,7 @@ def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
 
     # 2. RSS and 3. time: untracked steps, VmHWM reset right before each.
     times, rss_step, rss_peak, rss_before, hwm_ok = [], 0, 0, 0, True
-    for _ in range(max(1, c.steps)):
+    for _ in range(0 if c.device == "meta" else max(1, c.steps)):
         gc.collect()
         hwm_ok = reset_peak_rss() and hwm_ok
         before = current_rss_bytes()
@@ -320,19 +347,24 @@ def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
         rss_peak = max(rss_peak, peak)
 
     floor, floor_note = _floor(c, cfg, quant, dtype)
-    median = statistics.median(times)
+    median = statistics.median(times) if times else None
+    timing = {"median_s": median, "steps_s": times}
+    if median:
+        timing["tokens_per_s"] = c.batch * c.seq / median
     return {
         "config": asdict(c),
         "exact": split,
         "peak_composition": composition,
         "timeline": timeline,
-        "rss": {
+        "time": timing if times else None,
+        "rss": None
+        if c.device == "meta"
+        else {
             "step_bytes": rss_step,
             "peak_bytes": rss_peak,
             "before_bytes": rss_before,
             "hwm_reset": hwm_ok,
         },
-        "time": {"median_s": median, "steps_s": times, "tokens_per_s": c.batch * c.seq / median},
         "build_s": build_s,
         "tracked_s": tracked_s,
         "floor": floor,

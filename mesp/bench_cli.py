@@ -14,7 +14,7 @@ from typing import Any
 
 from mesp.errors import MespError
 
-TABLE_CHOICES = ("table1", "table2", "table3", "table5", "quick")
+TABLE_CHOICES = ("table1", "table2", "table3", "table5", "quick", "ladder")
 DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -55,7 +55,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=(),
         help="configs not to run, e.g. bp@qwen2.5-3b or mebp@qwen2.5-0.5b@4096",
     )
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="compute dtype (default bfloat16; ladder: float32, as its paper)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("meta", "cpu"),
+        default="meta",
+        help="ladder: exact tracker on the meta device (no arithmetic) or real CPU runs",
+    )
+    p.add_argument("--fraction", type=float, default=0.3, help="ladder: share of positions trained")
+    p.add_argument("--rungs", type=_words, default=None, help="ladder: rungs to run (default: all)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
@@ -96,9 +109,41 @@ def command_line(ns: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
+def run_ladder(ns: argparse.Namespace) -> int:
+    from mesp.bench_ladder import LadderOptions, line, run_ladder
+    from mesp.bench_report import write_report
+
+    if not 0.0 < ns.fraction <= 1.0:
+        raise MespError(f"--fraction must be in (0, 1], got {ns.fraction}")
+    opts = LadderOptions(device=ns.device, dtype=ns.dtype, fraction=ns.fraction, out=ns.out)
+    opts.shape = (ns.shapes or (opts.shape,))[0]
+    opts.seqs = ns.seq or opts.seqs
+    opts.rungs, opts.timeout, opts.threads = ns.rungs, ns.timeout, ns.threads
+    parts = ["mesp", "bench", "ladder", "--shapes", opts.shape, "--device", ns.device]
+    parts += ["--seq", ",".join(map(str, opts.seqs)), "--dtype", ns.dtype]
+    if ns.rungs:
+        parts += ["--rungs", ",".join(ns.rungs)]
+    parts += ["--fraction", str(ns.fraction), "--out", str(ns.out)]
+    if ns.markdown:
+        parts += ["--markdown", str(ns.markdown)]
+    opts.command = shlex.join(parts)
+    if not ns.report_only:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        for row in run_ladder(opts):
+            print(line(row))
+    if ns.markdown is not None:
+        print(f"wrote {write_report(ns.out, ns.markdown)}")
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
     from mesp.bench import BenchOptions, run_table, summary
     from mesp.bench_report import write_report
+
+    if ns.table == "ladder":
+        ns.dtype = ns.dtype or "float32"
+        return run_ladder(ns)
+    ns.dtype = ns.dtype or "bfloat16"
 
     if ns.steps < 1 or ns.warmup < 0:
         raise MespError("--steps must be >= 1 and --warmup >= 0")

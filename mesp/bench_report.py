@@ -13,6 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from mesp import bench_ladder
 from mesp.bench import TABLES, load_rows
 
 MiB = 2**20
@@ -362,6 +363,7 @@ def make_plots(rows: list[Row], out: Path, dtype: str) -> list[Path]:
         plot_memory_vs_seq(rows, out / "memory_vs_seq.png", dtype),
         plot_timeline(rows, out / "timeline.png", dtype),
         plot_time(rows, out / "time_per_step.png", dtype),
+        bench_ladder.plot(rows, out / "ladder.png"),
     ]
     return [p for p in made if p is not None]
 
@@ -394,6 +396,7 @@ def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
     ]
     for table in TABLES:
         lines += section(rows, table, dtype)
+    lines += bench_ladder.section(rows)
     comp = composition(rows, dtype)
     if comp:
         lines += ["## What makes up MeSP's peak", "", *comp]

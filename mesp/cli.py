@@ -27,6 +27,11 @@ def _add_offload_flags(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--offload-dir", default=None, help="directory for --offload disk files")
     s.add_argument(
+        "--stream-weights",
+        action="store_true",
+        help="mesp: frozen block weights on disk (in --offload-dir), one block in memory",
+    )
+    s.add_argument(
         "--offload-fallback",
         action="store_true",
         help="if the offload disk fails or fills, keep checkpoints in memory",

@@ -32,6 +32,10 @@ def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
         )
     if ns.engine == "mesp":
         opts["h_strategy"] = ns.h_strategy
+        if ns.stream_weights:
+            opts.update(stream_weights=True, offload_dir=ns.offload_dir)
+    elif ns.stream_weights:
+        raise MespError("--stream-weights needs --engine mesp")
     if ns.engine == "mezo":  # lr comes from the trainer's schedule each step (set_lr)
         opts.update(
             eps=ns.zo_eps,

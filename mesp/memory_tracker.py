@@ -6,6 +6,8 @@ with a weakref on the storage's Python object: torch preserves that object for a
 C++ StorageImpl lives (one wrapper per storage, checked at import), so its weakref callback fires
 exactly when the last tensor, view, saved-for-backward ref or C++ owner drops the storage.
 Memory allocated inside a kernel and freed before it returns is invisible by design.
+Meta tensors are counted like any other: run a step on the meta device and the tracker reports
+the bytes it would hold, without the arithmetic (`mesp bench ladder`; a test holds meta == CPU).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def _tensors(tree: object) -> Iterator[torch.Tensor]:
 
 
 def _storage(obj: object) -> torch.UntypedStorage | None:
-    """The storage behind a dense tensor; None for non-tensors, sparse, meta or storage-less."""
-    if not isinstance(obj, torch.Tensor) or obj.layout != torch.strided or obj.is_meta:
+    """The storage behind a dense tensor (meta included); None for non-tensors, sparse or
+    storage-less."""
+    if not isinstance(obj, torch.Tensor) or obj.layout != torch.strided:
         return None
     try:
         return obj.untyped_storage()

@@ -4,7 +4,7 @@ backward. The reference all other engines are checked against."""
 from __future__ import annotations
 
 from mesp.data_batches import Batch
-from mesp.engines.loss import LossSpec, autograd_loss_sum
+from mesp.engines.loss import LossSpec, autograd_loss_sum, loss_value
 from mesp.models.transformer import CausalLM
 
 
@@ -17,4 +17,4 @@ class BPEngine:
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
         loss = autograd_loss_sum(model, model.hidden(batch.input_ids), batch, self.loss)
         (loss / normalizer).backward()
-        return loss.item()
+        return loss_value(loss)

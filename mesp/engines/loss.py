@@ -79,23 +79,29 @@ def autograd_loss_sum(
     spec.check(model.config.vocab_size)
     if not bool(batch.mask.any()):  # nothing trained: a zero loss, zero gradients, no NaN
         return hn.sum().float() * 0.0
-    d = hn.shape[-1]
-    mask = batch.mask.reshape(-1)
+    # ids / targets are found where the batch lives (the host, for meta-device models)
+    mask, dev = batch.mask.reshape(-1), hn.device
     tgt = masked_targets(batch.targets, batch.mask).reshape(-1)
-    hs = hn.reshape(-1, d)
+    hs = hn.reshape(-1, hn.shape[-1])
+    ids = mask.nonzero().squeeze(1)
     if spec.mask_logits:
-        ids = mask.nonzero().squeeze(1)
-        hs, tgt = hs.index_select(0, ids), tgt.index_select(0, ids)
+        hs, tgt = hs.index_select(0, ids.to(dev)), tgt.index_select(0, ids)
+        ids = torch.arange(ids.numel())
     if spec.subset is None:
         z = model.logits(hs)  # (rows, V)
     else:
-        head, trained = model.head_weight(), tgt != IGNORE
-        subset = choose_subset(
-            hs.detach()[trained], tgt[trained], head, spec.subset, spec.seed, vocab_chunk
-        )
+        head, host_tgt = model.head_weight(), tgt.index_select(0, ids)
+        trained = hs.detach().index_select(0, ids.to(dev))
+        subset = choose_subset(trained, host_tgt, head, spec.subset, spec.seed, vocab_chunk)
+        del trained
         w, local = subset_head(head, subset, tgt.clamp(min=0), hs.dtype)
-        tgt = torch.where(trained, local, IGNORE)
+        tgt = torch.where(tgt.to(dev) != IGNORE, local, IGNORE)
         z = hs @ w.t()  # (rows, |S|)
         cap = model.config.final_logit_softcapping
         z = torch.tanh(z / cap) * cap if cap else z
-    return F.cross_entropy(z.float(), tgt, ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(z.float(), tgt.to(dev), ignore_index=IGNORE, reduction="sum")
+
+
+def loss_value(loss: Tensor) -> float:
+    """The summed loss as a float; NaN on the meta device (memory accounting has no values)."""
+    return float("nan") if loss.is_meta else loss.item()

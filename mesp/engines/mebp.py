@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mesp.data_batches import Batch
-from mesp.engines.loss import LossSpec, autograd_loss_sum
+from mesp.engines.loss import LossSpec, autograd_loss_sum, loss_value
 from mesp.engines.offload import CheckpointStore
 from mesp.models.transformer import CausalLM
 
@@ -57,4 +57,4 @@ class MeBPEngine:
             y.backward(g)
             g = x.grad
             del x, y
-        return loss.item()
+        return loss_value(loss)

@@ -20,11 +20,12 @@ import torch
 from torch import Tensor
 
 from mesp.data_batches import Batch
-from mesp.engines.loss import LossSpec
+from mesp.engines.loss import LossSpec, loss_value
 from mesp.engines.offload import CheckpointStore
+from mesp.engines.weight_stream import BlockWeightStream
 from mesp.errors import MespError
 from mesp.models.linear import Linear
-from mesp.models.transformer import Block, CausalLM, RMSNorm, SeqContext, Tape
+from mesp.models.transformer import MLP, Block, CausalLM, RMSNorm, SeqContext, Tape
 from mesp.ops.attention import attention_bwd
 from mesp.ops.cross_entropy import chunked_ce_loss_and_grad
 from mesp.ops.lora_linear import lora_linear_backward
@@ -61,16 +62,13 @@ def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
     """The paper's 'store h' ablation: h = x Aᵀ for every adapter, taken at recompute time."""
     at, mlp = block.self_attn, block.mlp
     b, _, s, _ = tape["o"].shape
-    o_flat = tape["o"].transpose(1, 2).reshape(b, s, -1)
-    m = gated_act(tape["gate"], tape["up"], mlp.act)
     inputs = {
         "q_proj": tape["n1"],
         "k_proj": tape["n1"],
         "v_proj": tape["n1"],
-        "o_proj": o_flat,
+        "o_proj": tape["o"].transpose(1, 2).reshape(b, s, -1),
         "gate_proj": tape["n2"],
         "up_proj": tape["n2"],
-        "down_proj": m,
     }
     mods = {
         "q_proj": at.q_proj,
@@ -79,9 +77,60 @@ def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
         "o_proj": at.o_proj,
         "gate_proj": mlp.gate_proj,
         "up_proj": mlp.up_proj,
-        "down_proj": mlp.down_proj,
     }
-    return {k: x @ mods[k].lora_A.t() for k, x in inputs.items() if mods[k].lora_A is not None}
+    hs = {k: x @ mods[k].lora_A.t() for k, x in inputs.items() if mods[k].lora_A is not None}
+    a_down = mlp.down_proj.lora_A
+    if a_down is None:
+        return hs
+    if "gate" in tape:
+        hs["down_proj"] = gated_act(tape["gate"], tape["up"], mlp.act) @ a_down.t()
+        return hs
+    n2 = tape["n2"].reshape(-1, tape["n2"].shape[-1])  # tiled MLP: down's input per tile
+    parts = []
+    for r in range(0, n2.shape[0], mlp.tile):
+        t = n2[r : r + mlp.tile]
+        parts.append(gated_act(mlp.gate_proj(t), mlp.up_proj(t), mlp.act) @ a_down.t())
+    hs["down_proj"] = torch.cat(parts).view(b, s, -1)
+    return hs
+
+
+def _mlp_backward(mlp: MLP, dd: Tensor, tape: Tape, hs: dict[str, Tensor]) -> Tensor:
+    """dd (B, S, hidden) at the MLP output -> dn2 at its input. With gate/up on the tape, in one
+    piece; else (tiled forward) mlp.tile tokens at a time: gate/up recomputed from n2 for the
+    tile, then the same backward: the MLP is per-token, so the tiles' dn2 rows are exact and
+    the LoRA gradients (sums over tokens) accumulate tile by tile."""
+    n2 = tape.pop("n2")
+    if "gate" in tape:
+        gate, up = tape.pop("gate"), tape.pop("up")
+        dm = _lin_bwd(mlp.down_proj, dd, gated_act(gate, up, mlp.act), h=hs.get("down_proj"))
+        dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
+        del dm, gate, up
+        dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"))
+        del dgate
+        dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"))
+        return dn2
+    shape = n2.shape
+    n2, dd = n2.reshape(-1, shape[-1]), dd.reshape(-1, shape[-1])
+    h2 = {
+        k: v.reshape(n2.shape[0], -1)
+        for k, v in hs.items()
+        if k.endswith(("gate_proj", "up_proj", "down_proj"))
+    }
+    dn2 = torch.empty_like(n2)
+    for r in range(0, n2.shape[0], mlp.tile):
+        t, sl = n2[r : r + mlp.tile], slice(r, r + mlp.tile)
+        gate, up = mlp.gate_proj(t), mlp.up_proj(t)
+        hd = h2["down_proj"][sl] if "down_proj" in h2 else None
+        dm = _lin_bwd(mlp.down_proj, dd[sl], gated_act(gate, up, mlp.act), h=hd)
+        dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
+        del dm, gate, up
+        hg = h2["gate_proj"][sl] if "gate_proj" in h2 else None
+        hu = h2["up_proj"][sl] if "up_proj" in h2 else None
+        dn2[sl] = _lin_bwd(mlp.gate_proj, dgate, t, h=hg)
+        del dgate
+        dn2[sl] += _lin_bwd(mlp.up_proj, dup, t, h=hu)
+        del dup
+    return dn2.view(shape)
 
 
 def block_backward(
@@ -96,16 +145,8 @@ def block_backward(
 
     # MLP half: y = x2 + [post_ff_norm](down(act(gate)·up)), gate/up = proj(n2)
     dd = _norm_bwd(dy, tape.pop("d"), block.post_feedforward_layernorm) if block.sandwich else dy
-    gate, up = tape.pop("gate"), tape.pop("up")
-    dm = _lin_bwd(mlp.down_proj, dd, gated_act(gate, up, mlp.act), h=hs.get("down_proj"))
+    dn2 = _mlp_backward(mlp, dd, tape, hs)
     del dd
-    dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
-    del dm, gate, up
-    n2 = tape.pop("n2")
-    dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"))
-    del dgate
-    dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"))
-    del dup, n2
     norm2 = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
     dx2 = dy + _norm_bwd(dn2, tape.pop("x2"), norm2)  # residual + through the norm
     del dn2, dy
@@ -163,8 +204,11 @@ class MeSPEngine:
         offload_dir: str | None = None,
         offload_fallback: bool = False,
         loss: LossSpec | None = None,
+        stream_weights: bool = False,
     ) -> None:
-        """chunk_rows None: all trained rows in one logits block; vocab_chunk 0 or None: the
+        """stream_weights: frozen block weights live on disk (in offload_dir), one or two
+        blocks resident at a time (see weight_stream). chunk_rows None: all trained rows in
+        one logits block; vocab_chunk 0 or None: the
         head in one piece (with chunk_rows None, the full-logits baseline of the ladder)."""
         if h_strategy not in H_STRATEGIES:
             raise MespError(f"--h-strategy must be one of {', '.join(H_STRATEGIES)}")
@@ -172,6 +216,17 @@ class MeSPEngine:
         self.chunk_rows, self.vocab_chunk = chunk_rows, vocab_chunk
         self.offload = (offload, offload_dir, offload_fallback)
         self.loss = loss or LossSpec()
+        self.stream_weights, self._stream = stream_weights, None
+
+    def attach(self, model: CausalLM) -> BlockWeightStream | None:
+        """Start streaming `model`'s block weights (once per model) when asked to."""
+        if not self.stream_weights:
+            return None
+        if self._stream is None or self._stream.model is not model:
+            if self._stream is not None:
+                self._stream.close()
+            self._stream = BlockWeightStream(model, self.offload[1])
+        return self._stream
 
     @torch.no_grad()
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
@@ -181,9 +236,13 @@ class MeSPEngine:
     def _run(self, model: CausalLM, batch: Batch, normalizer: int, store: CheckpointStore) -> float:
         ids = batch.input_ids
         ctx = model.context(ids.shape[1], ids.device)
+        ws = self.attach(model)
         h = model.embed(ids)
         for i, block in enumerate(model.layers):
             store.put(i, h)  # block input: the only activation kept across blocks
+            if ws is not None:
+                ws.prefetch(i)  # (a no-op when block i was prefetched already)
+                ws.prefetch(i + 1)
             h = block(h, ctx)
         n_layers = len(model.layers)
         store.prefetch(n_layers - 1)  # read the last checkpoint back while the loss runs
@@ -205,6 +264,11 @@ class MeSPEngine:
         for i in range(n_layers - 1, -1, -1):
             x = store.pop(i)
             store.prefetch(i - 1)
+            if ws is not None:
+                ws.pin(i)  # resident through the recompute and the hand backward
+                ws.prefetch(i - 1)
             g = block_backward(model.layers[i], x, ctx, g, need_dx=i > 0, store_h=self.store_h)
             del x
-        return loss.item()
+            if ws is not None:
+                ws.unpin(i)
+        return loss_value(loss)

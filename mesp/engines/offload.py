@@ -15,7 +15,6 @@ import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,7 +34,7 @@ class CheckpointStore:
         self._dir = self._fd = None
         self._end = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[int, Future[Tensor]] = {}
+        self._pending: dict[int, tuple[Tensor, Future[None]]] = {}
         if mode == "disk":
             try:
                 self._dir = tempfile.mkdtemp(prefix="mesp-ckpt-", dir=directory)
@@ -63,8 +62,11 @@ class CheckpointStore:
         if self.mode == "none":
             self.mem[i] = t
         elif self.mode == "cpu":
-            self.mem[i] = t.to("cpu", non_blocking=True)
+            self.mem[i] = t if t.is_meta else t.to("cpu", non_blocking=True)
             self.meta[i] = (0, t.shape, t.dtype, t.device)
+        elif t.is_meta:  # memory accounting only: the tensor leaves memory, nothing is written
+            self.meta[i] = (self._end, t.shape, t.dtype, t.device)
+            self._end += t.numel() * t.element_size()
         else:
             raw = t.detach().contiguous().cpu().view(torch.uint8).numpy()
             try:
@@ -78,31 +80,42 @@ class CheckpointStore:
             self.meta[i] = (self._end, t.shape, t.dtype, t.device)
             self._end += raw.nbytes
 
-    def _read(self, i: int) -> Tensor:
-        off, shape, dtype, device = self.meta[i]
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        buf = bytearray(nbytes)
-        got = os.preadv(self._fd, [buf], off)  # type: ignore[arg-type]
-        if got != nbytes:
+    def _alloc(self, i: int) -> Tensor:
+        """The buffer checkpoint i is read into, made on the calling (main) thread so that
+        memory accounting, which sees one thread's ops, sees it."""
+        _, shape, dtype, device = self.meta[i]
+        return torch.empty(shape, dtype=dtype, device="meta" if device.type == "meta" else "cpu")
+
+    def _fill(self, i: int, buf: Tensor) -> None:
+        """Read checkpoint i's bytes into buf (any thread; no tensor is created here)."""
+        if buf.is_meta:
+            return
+        raw = buf.view(-1).view(torch.uint8).numpy()
+        got = os.preadv(self._fd, [raw], self.meta[i][0])  # type: ignore[arg-type]
+        if got != raw.nbytes:
             raise MespError(f"offload file {self._dir}: short read of checkpoint {i}")
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape).to(device)
 
     def prefetch(self, i: int) -> None:
         """Start reading checkpoint i in the background (disk mode only)."""
         if self.mode == "disk" and i in self.meta and i not in self._pending and self._pool:
-            self._pending[i] = self._pool.submit(self._read, i)
+            buf = self._alloc(i)
+            self._pending[i] = (buf, self._pool.submit(self._fill, i, buf))
 
     def pop(self, i: int) -> Tensor:
         if i in self.mem:
             t = self.mem.pop(i)
             return t.to(self.meta.pop(i)[3]) if self.mode == "cpu" else t
-        fut = self._pending.pop(i, None)
-        t = fut.result() if fut is not None else self._read(i)
-        del self.meta[i]
-        return t
+        pending = self._pending.pop(i, None)
+        if pending is None:
+            buf = self._alloc(i)
+            self._fill(i, buf)
+        else:
+            buf = pending[0]
+            pending[1].result()
+        return buf.to(self.meta.pop(i)[3])
 
     def close(self) -> None:
-        for f in self._pending.values():
+        for _, f in self._pending.values():
             f.cancel()
         self._pending.clear()
         if self._pool is not None:

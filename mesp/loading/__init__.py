@@ -57,9 +57,11 @@ def random_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     std: float = 0.02,
+    device: str = "cpu",
 ) -> CausalLM:
     """A model of real shapes with random weights (norms at their identity value), built through
-    the same path as a checkpoint, one tensor at a time."""
+    the same path as a checkpoint, one tensor at a time. device "meta": shapes and dtypes only,
+    for exact memory accounting of models that do not fit (see memory_tracker)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg, dtype).state_dict().items()}
     g = torch.Generator().manual_seed(seed)
@@ -67,8 +69,11 @@ def random_model(
 
     def get(name: str) -> torch.Tensor:
         shape = shapes[name]
+        if device == "meta":
+            return torch.empty(shape, device="meta")
         if name.endswith("norm.weight"):
             return torch.full(shape, 1.0 - offset)
         return torch.randn(shape, generator=g) * std
 
-    return build_model(cfg, TensorSource(shapes.keys(), get, "random"), dtype, quant)
+    source = "meta" if device == "meta" else "random"
+    return build_model(cfg, TensorSource(shapes.keys(), get, source), dtype, quant)

@@ -100,7 +100,7 @@ def build_model(
             mod.set_dense(t.to(dtype), quant)
         else:
             setattr(mod, attr, t.to(dtype).contiguous())
-    left = [n for n, t in model.state_dict().items() if t.is_meta]
+    left = [n for n, t in model.state_dict().items() if t.is_meta and src.source != "meta"]
     if left:
         raise MespError(f"{src.source}: tensor {left[0]} was never loaded")
     return model

@@ -48,6 +48,12 @@ class FrozenWeight(nn.Module):
             self.quant, self.scales, self.biases = None, None, None
             self.weight = w.contiguous()
             return
+        if w.is_meta:  # a model for memory accounting only: the packed layout, no values
+            out_f, groups = w.shape[0], w.shape[1] // quant.group_size
+            wq = torch.empty(out_f, w.shape[1] // quant.per_word, dtype=torch.int32, device="meta")
+            sb = [torch.empty(out_f, groups, dtype=w.dtype, device="meta") for _ in range(2)]
+            self.set_packed(wq, *sb, quant)
+            return
         self.set_packed(*quantize(w, quant), quant)
 
     def set_packed(self, wq: Tensor, scales: Tensor, biases: Tensor, quant: QuantSpec) -> None:

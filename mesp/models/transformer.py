@@ -121,6 +121,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    tile = 512  # tokens per tile in no-grad passes (forward, recompute, inference)
+
     def __init__(self, cfg: ModelConfig, spec: FamilySpec, dtype: torch.dtype) -> None:
         super().__init__()
         hid, inter = cfg.hidden_size, cfg.intermediate_size
@@ -129,7 +131,23 @@ class MLP(nn.Module):
         self.up_proj = Linear(hid, inter, False, dtype)
         self.down_proj = Linear(inter, hid, False, dtype)
 
+    def tiled(self, x: Tensor) -> bool:
+        """Whether a no-grad pass over x runs in token tiles (see forward)."""
+        return not torch.is_grad_enabled() and x.numel() // x.shape[-1] > self.tile
+
     def forward(self, x: Tensor, tape: Tape | None = None) -> Tensor:
+        if self.tiled(x):
+            # The MLP acts per token: without autograd, run it `tile` tokens at a time so the
+            # (tokens × intermediate) tensors exist one tile at a time. Nothing goes on the
+            # tape: the structured backward recomputes gate/up tile by tile from n2.
+            x2 = x.reshape(-1, x.shape[-1])
+            out = x.new_empty(x2.shape[0], self.down_proj.out_features)
+            for r0 in range(0, x2.shape[0], self.tile):
+                xc = x2[r0 : r0 + self.tile]
+                m = gated_act(self.gate_proj(xc), self.up_proj(xc), self.act)
+                out[r0 : r0 + self.tile] = self.down_proj(m)
+                del m
+            return out.view(*x.shape[:-1], -1)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if tape is not None:  # act(gate)·up is recomputed in backward; gate and up are kept
             tape["gate"], tape["up"] = gate, up

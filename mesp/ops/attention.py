@@ -36,6 +36,12 @@ def attention(
 ) -> Tensor:
     """q (B, H, S, D), k/v (B, KV, T, D) -> (B, H, S, D). Causal unless an explicit mask is
     given; `causal=False` for single-token decoding against a KV cache."""
+    if q.is_meta and _cpu_flash()[1]:  # what CPU SDPA dispatches to (math would be L×L)
+        m = None if mask is None else _flash_mask(mask, q.dtype)
+        causal = mask is None and causal and q.shape[2] > 1
+        return _OPS._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=m, scale=scale
+        )[0]
     if mask is None:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal and q.shape[2] > 1, scale=scale, enable_gqa=True
@@ -84,7 +90,7 @@ def _expand_kv(t: Tensor, heads: int) -> Tensor:
 def _use_flash(q: Tensor, impl: str) -> bool:
     if impl not in ("auto", "flash", "chunked"):
         raise ValueError(f"impl must be 'auto', 'flash' or 'chunked', got {impl!r}")
-    return impl != "chunked" and q.device.type == "cpu" and _cpu_flash()[0]
+    return impl != "chunked" and q.device.type in ("cpu", "meta") and _cpu_flash()[0]
 
 
 def _flash_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:

@@ -36,9 +36,9 @@ def _dlogits(
     the row weight rw (0 for rows that only pay for their logits, see `mask_logits`).
     tgt (c,) holds each row's target column in this slice, or −1 where it lies elsewhere."""
     p = z.sub_(lse[:, None]).exp_()
-    if tgt is not None:
-        rows = (tgt >= 0).nonzero().squeeze(1)
-        p[rows, tgt[rows]] -= 1.0
+    if tgt is not None:  # −1 at each row's target column (rows whose target is elsewhere: 0)
+        hit = (tgt >= 0).to(p.dtype)[:, None]
+        p.scatter_add_(1, tgt.clamp(min=0)[:, None], hit.neg_())
     p.div_(norm)
     if rw is not None:
         p.mul_(rw[:, None])
@@ -50,7 +50,9 @@ def _weighted(x: Tensor, rw: Tensor | None) -> Tensor:
 
 
 def _select(h: Tensor, targets: Tensor, mask: Tensor, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Flatten to (N, D) and keep only the trained rows: (h2, row ids (n,), their targets (n,))."""
+    """Flatten to (N, D); find the trained rows: (h2, row ids (n,), their targets (n,)).
+    ids and targets stay where mask and targets live: on a meta-device model (memory
+    accounting) the batch stays on the host, and callers move them with `.to(h.device)`."""
     h2 = h.reshape(-1, h.shape[-1])
     ids = mask.reshape(-1).nonzero().squeeze(1)
     tgt = targets.reshape(-1).index_select(0, ids)
@@ -110,8 +112,8 @@ def _sliced_head(
         for r0 in range(0, n, rows):
             z, _ = _logits(hs[r0 : r0 + rows], w, cap, ct)
             mc, sc, lc = m[r0 : r0 + rows], s[r0 : r0 + rows], local[r0 : r0 + rows]
-            hit = (lc >= 0).nonzero().squeeze(1)
-            tz[r0 + hit] = z[hit, lc[hit]]  # target logits, before z is overwritten
+            zt = z.gather(1, lc.clamp(min=0)[:, None]).squeeze(1)  # before z is overwritten
+            tz[r0 : r0 + rows] = torch.where(lc >= 0, zt, tz[r0 : r0 + rows])  # target logits
             m_new = torch.maximum(mc, z.amax(-1))
             sc.mul_((mc - m_new).exp_()).add_(z.sub_(m_new[:, None]).exp_().sum(-1))
             mc.copy_(m_new)
@@ -160,7 +162,8 @@ def _run(
     grad: bool,
 ) -> tuple[Tensor, int, Tensor | None]:
     vocab = head.out_features
-    h2, ids, tgt = _select(h, targets, mask, vocab)
+    h2, ids_host, tgt_host = _select(h, targets, mask, vocab)
+    ids, tgt = ids_host.to(h.device), tgt_host.to(h.device)
     n = ids.numel()
     ct = torch.promote_types(h.dtype, torch.float32)
     if n == 0:
@@ -174,19 +177,14 @@ def _run(
     if opts.mask_logits:
         hs = h2.index_select(0, ids)  # (n, D): trained rows only
     else:  # every row forms logits; untrained rows weigh 0 (target 0 is a placeholder)
-        hs, rw = h2, mask.reshape(-1).to(ct)
+        hs, rw = h2, mask.reshape(-1).to(device=h.device, dtype=ct)
         tgt = torch.zeros(h2.shape[0], dtype=tgt.dtype, device=h.device).index_copy_(0, ids, tgt)
     rows = opts.chunk_rows or hs.shape[0]
     vchunk = opts.vocab_chunk if opts.vocab_chunk and opts.vocab_chunk < vocab else None
     if opts.vocab_subset is not None:
         trained = hs if rw is None else h2.index_select(0, ids)
         subset = choose_subset(
-            trained,
-            tgt if rw is None else tgt.index_select(0, ids),
-            head,
-            opts.vocab_subset,
-            opts.seed,
-            vchunk or vocab,
+            trained, tgt_host, head, opts.vocab_subset, opts.seed, vchunk or vocab
         )
         del trained
         w, local = subset_head(head, subset, tgt, hs.dtype)

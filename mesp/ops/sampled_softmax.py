@@ -68,7 +68,7 @@ def choose_subset(
         w = head.rows(v0, v1, hs.dtype).to(hs.dtype)
         score[v0:v1] = (hp @ w.t()).amax(0).float()  # a softcap is monotone: same ranking
         del w
-    targets = torch.unique(tgt)
+    targets = torch.unique(tgt).to(hs.device)  # tgt may sit on the host (meta-device runs)
     score[targets] = -torch.inf
     extra = min(k, vocab - targets.numel())
     top = torch.topk(score, extra, sorted=False).indices
@@ -79,5 +79,5 @@ def subset_head(
     head: FrozenWeight, subset: Tensor, tgt: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     """(W_S (|S|, D) in dtype, each target's column in S). Every target must be in S."""
-    local = torch.searchsorted(subset, tgt)
+    local = torch.searchsorted(subset, tgt.to(subset.device))
     return head.gather(subset).to(dtype), local
