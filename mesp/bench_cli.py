@@ -14,7 +14,7 @@ from typing import Any
 
 from mesp.errors import MespError
 
-TABLE_CHOICES = ("table1", "table2", "table3", "table5", "quick", "ladder")
+TABLE_CHOICES = ("table1", "table2", "table3", "table5", "quick", "ladder", "softmax")
 DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -69,6 +69,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--fraction", type=float, default=0.3, help="ladder: share of positions trained")
     p.add_argument("--rungs", type=_words, default=None, help="ladder: rungs to run (default: all)")
+    p.add_argument(
+        "--models",
+        type=_words,
+        default=("smollm2", "gemma3-270m"),
+        help="softmax: real models to train (named models or paths)",
+    )
+    p.add_argument("--train-steps", type=int, default=30, help="softmax: steps per run")
+    p.add_argument("--vocab-subset", type=int, default=1000, help="softmax: K")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
@@ -136,10 +144,38 @@ def run_ladder(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_softmax(ns: argparse.Namespace) -> int:
+    from mesp.bench_report import write_report
+    from mesp.bench_softmax import SoftmaxConfig, line, run_softmax
+
+    if ns.train_steps < 1 or ns.vocab_subset < 1:
+        raise MespError("--train-steps and --vocab-subset must be positive")
+    seq = (ns.seq or (128,))[0]
+    base = SoftmaxConfig(
+        model="", loss="ce", steps=ns.train_steps, seq=seq, vocab_subset=ns.vocab_subset
+    )
+    cmd = shlex.join(
+        [
+            *("mesp", "bench", "softmax", "--models", ",".join(ns.models)),
+            *("--train-steps", str(ns.train_steps), "--seq", str(seq)),
+            *("--vocab-subset", str(ns.vocab_subset), "--out", str(ns.out)),
+            *(["--markdown", str(ns.markdown)] if ns.markdown else []),
+        ]
+    )
+    if not ns.report_only:
+        for row in run_softmax(tuple(ns.models), base, ns.out, ns.timeout, cmd):
+            print(line(row))
+    if ns.markdown is not None:
+        print(f"wrote {write_report(ns.out, ns.markdown)}")
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
     from mesp.bench import BenchOptions, run_table, summary
     from mesp.bench_report import write_report
 
+    if ns.table == "softmax":
+        return run_softmax(ns)
     if ns.table == "ladder":
         ns.dtype = ns.dtype or "float32"
         return run_ladder(ns)

@@ -42,3 +42,17 @@ def test_cli_ladder_writes_rows_report_and_plot(tmp_path: Path) -> None:
     assert "peak-memory ladder" in text and "+ weight streaming" in text
     assert (out / "ladder.png").stat().st_size > 1000
     assert main([*argv, "--rungs", "nope", "--out", str(out)]) == 2
+
+
+def test_cli_softmax_trains_both_losses_and_reports(tmp_path: Path) -> None:
+    """The harness on a tiny checkpoint (the real-model figures come from the same command)."""
+    from tests.tiny_dir import make_model_dir
+
+    model = make_model_dir(tmp_path / "tiny", "qwen2")
+    out, md = tmp_path / "out", tmp_path / "B.md"
+    argv = ["bench", "softmax", "--models", str(model), "--train-steps", "3", "--seq", "32"]
+    assert main([*argv, "--vocab-subset", "20", "--out", str(out), "--markdown", str(md)]) == 0
+    rows = sorted((out / "rows" / "softmax").glob("*.json"))
+    assert len(rows) == 2
+    text = md.read_text()
+    assert "Sampled softmax" in text and "| sampled-softmax |" in text and "| ce |" in text
