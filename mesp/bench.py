@@ -31,6 +31,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mezo": {"engine": "mezo"},
     "peft-gc": {"engine": "peft", "bits": None},
     "mesp-fp": {"engine": "mesp", "bits": None},
+    "mesp-disk": {"engine": "mesp", "offload": "disk"},
+    "mesp-stream": {"engine": "mesp", "offload": "disk", "stream_weights": True},
 }
 
 
@@ -56,12 +58,20 @@ TABLES: dict[str, TableSpec] = {
         "Table 5: store h vs recompute h", ("qwen2.5-3b",), (256,), (8,), ("mesp", "mesp-store")
     ),
 }
+TABLES["offload"] = TableSpec(
+    "Offload: checkpoints and weights on disk",
+    _Q05,
+    (1024,),
+    (8,),
+    ("mesp", "mesp-disk", "mesp-stream"),
+)
 _TINY = ("tiny-qwen2",)
 QUICK: dict[str, TableSpec] = {
     "table1": replace(TABLES["table1"], shapes=_TINY, seqs=(64,)),
     "table2": replace(TABLES["table2"], shapes=_TINY, seqs=(32, 128)),
     "table3": replace(TABLES["table3"], shapes=_TINY, seqs=(64,), ranks=(4, 16)),
     "table5": replace(TABLES["table5"], shapes=_TINY, seqs=(64,)),
+    "offload": replace(TABLES["offload"], shapes=_TINY, seqs=(64,)),
 }
 
 
@@ -79,6 +89,7 @@ class BenchOptions:
     timeout: float = 3600.0  # seconds per configuration
     threads: int | None = None
     matmul: str = "auto"  # bf16 matmul kernel: auto | native | fp32 (see bench_child.Fp32Matmul)
+    device: str = "cpu"  # "meta": exact peak only (no arithmetic, no RSS, no time)
     out: Path = field(default_factory=lambda: Path("bench_results"))
     command: str = ""
 
@@ -101,13 +112,16 @@ def spec_for(table: str, opts: BenchOptions) -> TableSpec:
 
 
 def row_path(out: Path, table: str, c: ChildConfig) -> Path:
-    name = f"{c.variant}_{c.shape}_s{c.seq}_r{c.rank}_{c.dtype}.json"
+    meta = "_meta" if c.device == "meta" else ""
+    name = f"{c.variant}_{c.shape}_s{c.seq}_r{c.rank}_{c.dtype}{meta}.json"
     return out / "rows" / table / name
 
 
 def _skip_reason(c: ChildConfig, opts: BenchOptions) -> str | None:
     if opts.engines is not None and c.variant not in opts.engines:
         return "not in --engines"
+    if c.device == "meta" and c.engine == "peft":
+        return "the PEFT baseline runs on real tensors only"
     keys = {f"{c.variant}@{c.shape}", f"{c.variant}@{c.shape}@{c.seq}"}
     if keys & set(opts.skip):
         return "--skip"
@@ -147,6 +161,7 @@ def run_table(table: str, opts: BenchOptions) -> list[dict[str, Any]]:
                         timeline=True,
                         threads=opts.threads,
                         matmul=opts.matmul,
+                        device=opts.device,
                         **VARIANTS[variant],
                     )
                     reason = _skip_reason(c, opts)
@@ -172,10 +187,11 @@ def summary(row: dict[str, Any]) -> str:
     if row["status"] != "ok":
         return f"{head} {row['status']} ({row.get('reason', '')})"
     e, mib = row["exact"], 2**20
-    return (
-        f"{head} exact total {e['total'] / mib:.1f} MiB, working {e['working'] / mib:.1f} MiB, "
-        f"rss step {row['rss']['step_bytes'] / mib:.1f} MiB, {row['time']['median_s']:.3g} s/step"
-    )
+    text = f"{head} exact total {e['total'] / mib:.1f} MiB, working {e['working'] / mib:.1f} MiB"
+    if row.get("rss") and row.get("time"):
+        text += f", rss step {row['rss']['step_bytes'] / mib:.1f} MiB"
+        text += f", {row['time']['median_s']:.3g} s/step"
+    return text + (" (meta device)" if c.get("device") == "meta" else "")
 
 
 def load_rows(out: Path) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from mesp.errors import MespError
 
-TABLE_CHOICES = ("table1", "table2", "table3", "table5", "quick", "ladder", "softmax")
+TABLE_CHOICES = ("table1", "table2", "table3", "table5", "offload", "quick", "ladder", "softmax")
 DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -64,8 +64,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         choices=("meta", "cpu"),
-        default="meta",
-        help="ladder: exact tracker on the meta device (no arithmetic) or real CPU runs",
+        default=None,
+        help="exact peak on the meta device (shapes, no arithmetic; no RSS or time) or real "
+        "CPU runs (default: meta for the ladder, cpu for the tables)",
     )
     p.add_argument("--fraction", type=float, default=0.3, help="ladder: share of positions trained")
     p.add_argument("--rungs", type=_words, default=None, help="ladder: rungs to run (default: all)")
@@ -111,6 +112,8 @@ def command_line(ns: argparse.Namespace) -> str:
         parts += ["--threads", str(ns.threads)]
     if ns.matmul != "auto":
         parts += ["--matmul", ns.matmul]
+    if ns.device == "meta":
+        parts += ["--device", "meta"]
     parts += ["--out", str(ns.out)]
     if ns.markdown:
         parts += ["--markdown", str(ns.markdown)]
@@ -177,9 +180,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.table == "softmax":
         return run_softmax(ns)
     if ns.table == "ladder":
-        ns.dtype = ns.dtype or "float32"
+        ns.dtype, ns.device = ns.dtype or "float32", ns.device or "meta"
         return run_ladder(ns)
-    ns.dtype = ns.dtype or "bfloat16"
+    ns.dtype, ns.device = ns.dtype or "bfloat16", ns.device or "cpu"
 
     if ns.steps < 1 or ns.warmup < 0:
         raise MespError("--steps must be >= 1 and --warmup >= 0")
@@ -200,6 +203,7 @@ def run(ns: argparse.Namespace) -> int:
         timeout=ns.timeout,
         threads=ns.threads,
         matmul=ns.matmul,
+        device=ns.device,
         out=ns.out,
         command=command_line(ns),
     )

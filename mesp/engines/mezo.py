@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from mesp.data_batches import Batch
-from mesp.engines.loss import LossSpec
+from mesp.engines.loss import LossSpec, loss_value
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import chunked_ce_loss
@@ -97,7 +97,7 @@ class MeZOEngine:
         head, cap = model.head_weight(), model.config.final_logit_softcapping
         opts = self.loss.ce_options(self.chunk_rows, self.vocab_chunk)
         loss, _ = chunked_ce_loss(h, batch.targets, batch.mask, head, cap, opts=opts)
-        return float(loss)
+        return loss_value(loss)
 
     def directions(self, model: CausalLM, seed: int) -> Iterator[tuple[str, Tensor, Tensor]]:
         """(name, tensor, z) for each perturbed tensor: z drawn tensor by tensor, in a fixed

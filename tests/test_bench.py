@@ -1,0 +1,58 @@
+"""`mesp bench quick`: every engine measured in its own child on a tiny shape, rows written as
+JSON, plots and a report made. Memory only: the machine is shared, so no timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from mesp.bench import QUICK, load_rows
+from mesp.bench_cli import add_parser, run
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    out = tmp_path_factory.mktemp("bench")
+    md = out / "BENCHMARKS.md"
+    parser = argparse.ArgumentParser(prog="mesp")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    argv = ["bench", "quick", "--steps", "1", "--out", str(out), "--markdown", str(md)]
+    ns = parser.parse_args(argv)
+    assert run(ns) == 0
+    return out, md, load_rows(out)
+
+
+def test_rows_for_every_engine(quick_run: tuple[Path, Path, list[dict]]) -> None:
+    out, _, rows = quick_run
+    by_variant = {r["config"]["variant"]: r for r in rows}
+    assert set(by_variant) == set(QUICK["table1"].variants)
+    for variant, r in by_variant.items():
+        if r["status"] == "skipped":  # only an engine missing from this build may skip
+            assert variant == "mezo" and "not available" in r["reason"]
+            continue
+        assert r["status"] == "ok", (variant, r.get("reason"))
+        e = r["exact"]
+        assert e["weights"] > 0 and e["adapter"] > 0 and e["working"] > 0
+        assert e["total"] == e["weights"] + e["adapter"] + e["working"]
+        assert r["rss"]["peak_bytes"] > 0 and r["time"]["median_s"] > 0
+        assert r["timeline"] and max(r["timeline"]) > 0
+    assert len(list((out / "rows" / "table1").glob("*.json"))) == len(by_variant)
+
+
+def test_mesp_peak_below_mebp(quick_run: tuple[Path, Path, list[dict]]) -> None:
+    rows = {r["config"]["variant"]: r for r in quick_run[2]}
+    assert rows["mesp"]["exact"]["total"] < rows["mebp"]["exact"]["total"]
+    assert rows["mesp"]["exact"]["working"] < rows["mebp"]["exact"]["working"]
+
+
+def test_report_and_plots(quick_run: tuple[Path, Path, list[dict]]) -> None:
+    out, md, _ = quick_run
+    pngs = sorted(out.glob("*.png"))
+    assert pngs and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    text = md.read_text()
+    assert "Table 1" in text and "timeline.png" in text and "mesp bench quick" in text
+    row = json.loads(next((out / "rows" / "table1").glob("mesp_*.json")).read_text())
+    assert row["peak_composition"][0]["bytes"] > 0
