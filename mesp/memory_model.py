@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -184,6 +184,13 @@ def _linear_peak(s: Sizes, name: str) -> int:
     return max(s.deq(out, inp, then=y), (3 if lora else 2) * y)
 
 
+def _mlp_tile(s: Sizes) -> Sizes | None:
+    """Sizes of one MLP tile when no-grad passes run the MLP in token tiles (MLP.tile)."""
+    from mesp.models.transformer import MLP
+
+    return replace(s, B=1, S=MLP.tile) if s.T > MLP.tile else None
+
+
 def block_forward_peak(s: Sizes, tape: bool) -> int:
     """No-grad block forward, beyond its input x. Block.forward keeps n1, a, x2, n2 as locals to
     its end; the MLP holds gate and up while act(gate)·up and down run. With a tape (mesp's
@@ -201,10 +208,13 @@ def block_forward_peak(s: Sizes, tape: bool) -> int:
     )
     kept = (tape * qk + tape * qk_in) if tape else 0
     mlp_in = 4 * T * D * e + kept  # n1, a, x2, n2
-    mlp = mlp_in + max(
-        T * F * e + _linear_peak(s, "up_proj"),
-        4 * T * F * e,  # gate, up, act(gate), product
-        3 * T * F * e + _linear_peak(s, "down_proj"),
+    m = _mlp_tile(s)  # tiled: the output buffer, then one tile's gate, up, ... at a time
+    mlp = mlp_in + (T * D * e if m else 0)
+    m = m or s
+    mlp += max(
+        m.T * F * e + _linear_peak(m, "up_proj"),
+        4 * m.T * F * e,  # gate, up, act(gate), product
+        3 * m.T * F * e + _linear_peak(m, "down_proj"),
     )
     norm2 = 3 * T * D * e + kept + _norm_peak(s, D)
     return max(attn, mlp, norm2, _norm_peak(s, D))
@@ -216,7 +226,7 @@ def tape_bytes(s: Sizes) -> int:
     td = T * s.D * e * (3 + 2 * s.sandwich)  # n1, x2, n2 (+ a, d)
     attn = T * (2 * s.Q + 2 * s.K) * e + s.B * s.H * s.S * 4  # q, k, v, o, lse
     qk_in = s.qk_norm * T * (s.Q + s.K) * e
-    return td + attn + qk_in + 2 * T * s.F * e  # + gate, up
+    return td + attn + qk_in + (0 if _mlp_tile(s) else 2 * T * s.F * e)  # + gate, up
 
 
 def mesp_block_backward_peak(s: Sizes) -> int:
@@ -225,11 +235,19 @@ def mesp_block_backward_peak(s: Sizes) -> int:
     d_gate: nine T×F tensors, four bytes each in fp32 (in bf16 the fp32 copies of gate, up and
     dm take the place of two)."""
     T, F, D, e = s.T, s.F, s.D, s.e
-    tape_attn = tape_bytes(s) - 2 * T * F * e
-    act = tape_attn + 9 * T * F * s.f
+    tiled = _mlp_tile(s)
+    # tiled: gate/up are not on the tape; dn2 (T×D) is allocated first, then every MLP term
+    # below exists for one tile at a time, including the recompute of gate and up
+    tape_attn = tape_bytes(s) - (0 if tiled else 2 * T * F * e)
+    base = tape_attn + (T * D * e if tiled else 0)
+    m = tiled or s
+    Tm = m.T
+    act = base + 9 * Tm * F * s.f
     dd = s.sandwich * T * D * e  # Gemma3: the gradient through the post-MLP norm
-    down = tape_attn + dd + 3 * T * F * e + s.deq(D, F, then=T * F * e)
-    up = tape_attn + 2 * T * F * e + T * D * e + s.deq(F, D, then=T * D * e)
+    down = base + dd + 3 * Tm * F * e + s.deq(D, F, then=Tm * F * e)
+    up = base + 2 * Tm * F * e + Tm * D * e + s.deq(F, D, then=Tm * D * e)
+    if tiled:
+        up = max(up, base + Tm * F * e + _linear_peak(m, "up_proj"))
     # attention backward: da, do, dq, dk, dv (and the window mask) beside the tape
     attn = tape_attn + T * D * e * (1 + s.sandwich) + T * (2 * s.Q + 2 * s.K) * e + s.window_mask
     return max(block_forward_peak(s, tape=True), act, down, up, attn)

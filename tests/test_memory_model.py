@@ -190,3 +190,13 @@ def test_every_ladder_shape_resolves_and_bad_input() -> None:
         predict(cfg, "mesp", 64, 1, optimizer="lion")
     with pytest.raises(MespError, match="target"):
         predict(cfg, "mesp", 64, 1, targets=("qkv",))
+
+
+@pytest.mark.parametrize(
+    "engine,family",
+    [("mesp", "qwen2"), ("mesp", "gemma3"), ("mebp", "qwen2"), ("mezo", "gemma3")],
+)
+def test_predicted_peak_with_the_tiled_mlp(engine: str, family: str) -> None:
+    """Batch 2 × 640 tokens > MLP.tile: no-grad passes run the MLP in tiles (and mesp's hand
+    backward recomputes gate/up per tile); the model follows."""
+    check(family, engine, 640, Q4, optimizer="sgd")
