@@ -45,7 +45,8 @@ class TableSpec:
     variants: tuple[str, ...]
 
 
-_Q05, _T1 = ("qwen2.5-0.5b",), ("bp", "mebp", "mesp", "mezo", "peft-gc", "mesp-fp")
+_Q05 = ("qwen2.5-0.5b",)
+_T1 = ("bp", "mebp", "mesp", "mezo", "peft-gc", "mesp-fp", "mesp-stream")
 TABLES: dict[str, TableSpec] = {
     "table1": TableSpec(
         "Table 1: model size", ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"), (256,), (8,), _T1

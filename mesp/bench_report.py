@@ -228,6 +228,12 @@ def targets(rows: list[Row]) -> list[str]:
             ratio(mem(fp, "total"), mem(peft, "total")),
             0.20,
         )
+        st = t1.get((shape, seq, rank, "mesp-stream"))  # + weights streamed from disk
+        add(
+            f"{shape}: mesp streamed weights / peft+gc total",
+            ratio(mem(st, "total"), mem(peft, "total")),
+            0.20,
+        )
         add(f"{shape}: mesp / mebp step time", ratio(secs(r), secs(mebp)), 1.10)
         tps = ratio(secs(peft), secs(r))  # = mesp tokens/s over peft tokens/s
         add(f"{shape}: mesp / peft+gc tokens/s", tps, 1.0, le=False)

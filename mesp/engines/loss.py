@@ -99,7 +99,10 @@ def autograd_loss_sum(
         z = hs @ w.t()  # (rows, |S|)
         cap = model.config.final_logit_softcapping
         z = torch.tanh(z / cap) * cap if cap else z
-    return F.cross_entropy(z.float(), tgt.to(dev), ignore_index=IGNORE, reduction="sum")
+    # per-row losses in fp32, their sum in fp64 (as the chunked CE): the reported loss then
+    # does not depend on how rows are grouped; gradients are those of the fp32 row losses
+    rows = F.cross_entropy(z.float(), tgt.to(dev), ignore_index=IGNORE, reduction="none")
+    return rows.sum(dtype=torch.float64)
 
 
 def loss_value(loss: Tensor) -> float:

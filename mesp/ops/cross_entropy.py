@@ -73,14 +73,14 @@ def _dense_head(
     """hs (n, D), w (v, D) dense head rows, tgt (n,) columns of w -> (loss sum, dhs (n, D) or
     None when norm is None). One (rows × v) logits block (and its tanh when capped) at a time."""
     ct = torch.promote_types(hs.dtype, torch.float32)
-    loss = torch.zeros((), dtype=ct, device=hs.device)
+    loss = torch.zeros((), dtype=torch.float64, device=hs.device)  # row losses summed in fp64
     dhs = None if norm is None else torch.empty_like(hs)
     for r0 in range(0, hs.shape[0], rows):
         hc, tc = hs[r0 : r0 + rows], tgt[r0 : r0 + rows]
         rc = None if rw is None else rw[r0 : r0 + rows]
         z, t = _logits(hc, w, cap, ct)
         lse = torch.logsumexp(z, -1)
-        loss += _weighted(lse - z.gather(1, tc[:, None]).squeeze(1), rc).sum()
+        loss += _weighted(lse - z.gather(1, tc[:, None]).squeeze(1), rc).sum(dtype=torch.float64)
         if dhs is not None and norm is not None:
             dhs[r0 : r0 + rows] = _dlogits(z, t, lse, tc, norm, rc).to(w.dtype) @ w  # (c,v)(v,D)
         del z, t, lse
@@ -120,7 +120,7 @@ def _sliced_head(
             del z  # free this chunk's logits before the next is formed
         del w  # and this slice before the next is dequantized
     lse = m.add_(s.log_())
-    loss = _weighted(lse - tz, rw).sum()
+    loss = _weighted(lse - tz, rw).sum(dtype=torch.float64)
     if norm is None:
         return loss, None
     acc = torch.zeros(hs.shape, dtype=ct, device=hs.device)
@@ -167,7 +167,8 @@ def _run(
     n = ids.numel()
     ct = torch.promote_types(h.dtype, torch.float32)
     if n == 0:
-        return torch.zeros((), dtype=ct, device=h.device), 0, torch.zeros_like(h) if grad else None
+        zero = torch.zeros((), dtype=torch.float64, device=h.device)
+        return zero, 0, torch.zeros_like(h) if grad else None
     norm = None
     if grad:
         norm = float(n if normalizer is None else normalizer)
@@ -214,7 +215,8 @@ def chunked_ce_loss_and_grad(
     opts: CEOptions | None = None,
 ) -> tuple[Tensor, int, Tensor]:
     """h (N, D) (or (B, S, D)) final-normed states, targets/mask (N,) -> (summed loss over
-    trained rows, as a 0-d fp32 tensor (fp64 for fp64 h); their count n; dh like h).
+    trained rows, as a 0-d fp64 tensor (row losses in fp32, or fp64 for fp64 h); their
+    count n; dh like h).
     dh is the gradient of loss_sum / normalizer (default n, i.e. of the mean loss):
     with p = softmax(z), ∂loss/∂z = p − onehot(target); z = cap·tanh(u/cap) adds the factor
     1 − tanh²(u/cap); u = h Wᵀ gives dh = du W. Rows with mask False get zeros.
