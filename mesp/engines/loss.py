@@ -92,13 +92,13 @@ def autograd_loss_sum(
     else:
         head, host_tgt = model.head_weight(), tgt.index_select(0, ids)
         trained = hs.detach().index_select(0, ids.to(dev))
-        subset = choose_subset(trained, host_tgt, head, spec.subset, spec.seed, vocab_chunk)
+        subset, bias = choose_subset(trained, host_tgt, head, spec.subset, spec.seed, vocab_chunk)
         del trained
         w, local = subset_head(head, subset, tgt.clamp(min=0), hs.dtype)
         tgt = torch.where(tgt.to(dev) != IGNORE, local, IGNORE)
         z = hs @ w.t()  # (rows, |S|)
         cap = model.config.final_logit_softcapping
-        z = torch.tanh(z / cap) * cap if cap else z
+        z = (torch.tanh(z / cap) * cap if cap else z) + bias
     # per-row losses in fp32, their sum in fp64 (as the chunked CE): the reported loss then
     # does not depend on how rows are grouped; gradients are those of the fp32 row losses
     rows = F.cross_entropy(z.float(), tgt.to(dev), ignore_index=IGNORE, reduction="none")

@@ -69,9 +69,11 @@ def _dense_head(
     rows: int,
     norm: float | None,
     rw: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """hs (n, D), w (v, D) dense head rows, tgt (n,) columns of w -> (loss sum, dhs (n, D) or
-    None when norm is None). One (rows × v) logits block (and its tanh when capped) at a time."""
+    None when norm is None). One (rows × v) logits block (and its tanh when capped) at a time.
+    bias (v,): constant offsets added to the (capped) logits (the sampled softmax's weights)."""
     ct = torch.promote_types(hs.dtype, torch.float32)
     loss = torch.zeros((), dtype=torch.float64, device=hs.device)  # row losses summed in fp64
     dhs = None if norm is None else torch.empty_like(hs)
@@ -79,6 +81,8 @@ def _dense_head(
         hc, tc = hs[r0 : r0 + rows], tgt[r0 : r0 + rows]
         rc = None if rw is None else rw[r0 : r0 + rows]
         z, t = _logits(hc, w, cap, ct)
+        if bias is not None:
+            z += bias
         lse = torch.logsumexp(z, -1)
         loss += _weighted(lse - z.gather(1, tc[:, None]).squeeze(1), rc).sum(dtype=torch.float64)
         if dhs is not None and norm is not None:
@@ -184,12 +188,12 @@ def _run(
     vchunk = opts.vocab_chunk if opts.vocab_chunk and opts.vocab_chunk < vocab else None
     if opts.vocab_subset is not None:
         trained = hs if rw is None else h2.index_select(0, ids)
-        subset = choose_subset(
+        subset, bias = choose_subset(
             trained, tgt_host, head, opts.vocab_subset, opts.seed, vchunk or vocab
         )
         del trained
         w, local = subset_head(head, subset, tgt, hs.dtype)
-        loss, dhs = _dense_head(hs, local, w, softcap, rows, norm, rw)
+        loss, dhs = _dense_head(hs, local, w, softcap, rows, norm, rw, bias.to(ct))
         del w
     elif vchunk is None:
         loss, dhs = _dense_head(hs, tgt, head.dense(hs.dtype), softcap, rows, norm, rw)
