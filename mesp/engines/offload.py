@@ -10,14 +10,13 @@ that Python sees (normal return, exception, KeyboardInterrupt).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
 
+from mesp.engines.spill import SpillFile
 from mesp.errors import MespError
 
 OFFLOAD_MODES = ("none", "cpu", "disk")
@@ -31,22 +30,17 @@ class CheckpointStore:
         self.mode, self.fallback = mode, fallback
         self.mem: dict[int, Tensor] = {}
         self.meta: dict[int, tuple[int, torch.Size, torch.dtype, torch.device]] = {}
-        self._dir = self._fd = None
-        self._end = 0
-        self._pool: ThreadPoolExecutor | None = None
+        self._file: SpillFile | None = None
+        self._meta_end = 0  # offsets of meta-device checkpoints (nothing is written)
         self._pending: dict[int, tuple[Tensor, Future[None]]] = {}
         if mode == "disk":
             try:
-                self._dir = tempfile.mkdtemp(prefix="mesp-ckpt-", dir=directory)
-                self._fd = os.open(
-                    os.path.join(self._dir, "checkpoints.bin"), os.O_RDWR | os.O_CREAT, 0o600
-                )
+                self._file = SpillFile(directory, "mesp-ckpt-")
             except OSError as e:
                 self._fail(
                     f"cannot create an offload file in {directory or tempfile.gettempdir()}"
                     f" ({e.strerror or e})"
                 )
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="mesp-prefetch")
 
     def _fail(self, msg: str) -> None:
         if not self.fallback:
@@ -65,20 +59,17 @@ class CheckpointStore:
             self.mem[i] = t if t.is_meta else t.to("cpu", non_blocking=True)
             self.meta[i] = (0, t.shape, t.dtype, t.device)
         elif t.is_meta:  # memory accounting only: the tensor leaves memory, nothing is written
-            self.meta[i] = (self._end, t.shape, t.dtype, t.device)
-            self._end += t.numel() * t.element_size()
+            self.meta[i] = (self._meta_end, t.shape, t.dtype, t.device)
+            self._meta_end += t.numel() * t.element_size()
         else:
-            raw = t.detach().contiguous().cpu().view(torch.uint8).numpy()
+            assert self._file is not None
             try:
-                n = os.pwrite(self._fd, memoryview(raw), self._end)  # type: ignore[arg-type]
-                if n != raw.nbytes:
-                    raise OSError(28, "short write (disk full?)")
+                off = self._file.append(t)
             except OSError as e:
                 self._fail(f"offload write failed ({e.strerror or e})")
                 self.mem[i] = t
                 return
-            self.meta[i] = (self._end, t.shape, t.dtype, t.device)
-            self._end += raw.nbytes
+            self.meta[i] = (off, t.shape, t.dtype, t.device)
 
     def _alloc(self, i: int) -> Tensor:
         """The buffer checkpoint i is read into, made on the calling (main) thread so that
@@ -90,16 +81,17 @@ class CheckpointStore:
         """Read checkpoint i's bytes into buf (any thread; no tensor is created here)."""
         if buf.is_meta:
             return
-        raw = buf.view(-1).view(torch.uint8).numpy()
-        got = os.preadv(self._fd, [raw], self.meta[i][0])  # type: ignore[arg-type]
-        if got != raw.nbytes:
-            raise MespError(f"offload file {self._dir}: short read of checkpoint {i}")
+        assert self._file is not None
+        try:
+            self._file.read_into(self.meta[i][0], buf)
+        except OSError as e:
+            raise MespError(f"offload file: cannot read checkpoint {i} back ({e})") from None
 
     def prefetch(self, i: int) -> None:
         """Start reading checkpoint i in the background (disk mode only)."""
-        if self.mode == "disk" and i in self.meta and i not in self._pending and self._pool:
+        if self.mode == "disk" and i in self.meta and i not in self._pending and self._file:
             buf = self._alloc(i)
-            self._pending[i] = (buf, self._pool.submit(self._fill, i, buf))
+            self._pending[i] = (buf, self._file.submit(self._fill, i, buf))
 
     def pop(self, i: int) -> Tensor:
         if i in self.mem:
@@ -115,18 +107,10 @@ class CheckpointStore:
         return buf.to(self.meta.pop(i)[3])
 
     def close(self) -> None:
-        for _, f in self._pending.values():
-            f.cancel()
         self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __enter__(self) -> CheckpointStore:
         return self

@@ -16,15 +16,13 @@ loads allocate meta tensors of the same shapes.
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor, nn
 
+from mesp.engines.spill import SpillFile
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 
@@ -37,16 +35,12 @@ class BlockWeightStream:
         self.entries: list[list[Entry]] = []
         self.pinned: set[int] = set()
         self._pending: dict[int, tuple[list[Tensor], Future[None]]] = {}
-        self._dir: str | None = None
-        self._fd: int | None = None
         self._meta = next(model.buffers()).is_meta
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="mesp-w")
-        self._hooks = []
+        self._file: SpillFile | None = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         try:
             if not self._meta:
-                self._dir = tempfile.mkdtemp(prefix="mesp-weights-", dir=directory)
-                path = os.path.join(self._dir, "blocks.bin")
-                self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                self._file = SpillFile(directory, "mesp-weights-")
             end = 0
             for block in model.layers:
                 entries: list[Entry] = []
@@ -54,15 +48,12 @@ class BlockWeightStream:
                     for name, buf in list(mod._buffers.items()):
                         if buf is None:
                             continue
-                        if self._fd is not None:
-                            raw = buf.detach().contiguous().view(-1).view(torch.uint8).numpy()
-                            if os.pwrite(self._fd, memoryview(raw), end) != raw.nbytes:
-                                raise OSError(28, "short write (disk full?)")
-                        entries.append((mod, name, end, buf.shape, buf.dtype))
-                        end += buf.numel() * buf.element_size()
+                        off = end if self._file is None else self._file.append(buf)
+                        end = off + buf.numel() * buf.element_size()
+                        entries.append((mod, name, off, buf.shape, buf.dtype))
                 self.entries.append(entries)
         except OSError as e:
-            self.close()
+            self.close(restore=False)
             raise MespError(
                 f"cannot write block weights to {directory or tempfile.gettempdir()} "
                 f"({e.strerror or e}); free space or drop --stream-weights"
@@ -71,7 +62,6 @@ class BlockWeightStream:
             self._drop(i)
             self._hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: self.load(i)))
             self._hooks.append(block.register_forward_hook(lambda m, a, o, i=i: self._after(i)))
-        atexit.register(self.close, restore=False)
 
     def _drop(self, i: int) -> None:
         for mod, name, _, _, dtype in self.entries[i]:
@@ -89,18 +79,21 @@ class BlockWeightStream:
         return [torch.empty(s, dtype=d, device=self._device) for _, _, _, s, d in self.entries[i]]
 
     def _fill(self, i: int, bufs: list[Tensor]) -> None:
-        if self._fd is None:
+        if self._file is None:
             return
-        for (_, _, off, _, _), t in zip(self.entries[i], bufs, strict=True):
-            raw = t.view(-1).view(torch.uint8).numpy()
-            if os.preadv(self._fd, [raw], off) != raw.nbytes:
-                raise MespError(f"weight stream {self._dir}: short read in block {i}")
+        try:
+            for (_, _, off, _, _), t in zip(self.entries[i], bufs, strict=True):
+                self._file.read_into(off, t)
+        except OSError as e:
+            raise MespError(f"weight stream: cannot read block {i} back ({e})") from None
 
     def prefetch(self, i: int) -> None:
         if 0 <= i < len(self.entries) and i not in self._pending and not self.resident(i):
             bufs = self._alloc(i)
-            assert self._pool is not None
-            self._pending[i] = (bufs, self._pool.submit(self._fill, i, bufs))
+            if self._file is None:
+                self._pending[i] = (bufs, _done())
+            else:
+                self._pending[i] = (bufs, self._file.submit(self._fill, i, bufs))
 
     def load(self, i: int) -> None:
         if self.resident(i):
@@ -129,19 +122,20 @@ class BlockWeightStream:
 
     def close(self, restore: bool = True) -> None:
         """Stop streaming: with `restore`, every block's weights come back into memory first;
-        the file and its directory are removed either way (at exit: without restoring)."""
-        if restore and (self._fd is not None or self._meta):
+        the file and its directory are removed either way."""
+        if restore and (self._file is not None or self._meta):
             for i in range(len(self.entries)):
                 self.load(i)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._pending.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _done() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_result(None)
+    return f
