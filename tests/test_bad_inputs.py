@@ -132,6 +132,14 @@ CASES = {
         "x.gguf",
     ),
     "rank_zero": (lambda e: ["--rank", "0"], "--rank"),
+    "stream_weights_without_mesp": (
+        lambda e: ["--engine", "mebp", "--stream-weights"],
+        "--stream-weights needs --engine mesp",
+    ),
+    "stream_weights_unwritable": (
+        lambda e: ["--stream-weights", "--offload-dir", "/proc/self/nope"],
+        "--stream-weights",
+    ),
     "vocab_subset_over_vocab": (
         lambda e: ["--loss", "sampled-softmax", "--vocab-subset", "100000"],
         "not smaller than the vocabulary",
