@@ -135,6 +135,11 @@ class DataConfig:
             raise MespError(f"max examples must be at least 1, got {self.max_examples}")
 
 
+def row_bos(tok: Tokenizer) -> int | None:
+    """The BOS id packed rows must start with, for models whose tokenizer adds BOS."""
+    return tok.bos_id if tok.add_bos else None
+
+
 def pad_id_of(tokenizer: Tokenizer) -> int:
     """The id used for padding: pad, else EOS, else 0 (padding is masked out anyway)."""
     for i in (tokenizer.pad_id, tokenizer.eos_id):
@@ -392,7 +397,9 @@ def default_dataset(
 
     def rows(plays: Sequence[str]) -> list[Example]:
         return chunk_examples(
-            load_text_files([d / f"{p}_gut.txt" for p in plays], tokenizer), seq_len
+            load_text_files([d / f"{p}_gut.txt" for p in plays], tokenizer),
+            seq_len,
+            row_bos(tokenizer),
         )
 
     return {"train": rows(train_plays), "valid": rows(valid_plays)}
@@ -421,7 +428,10 @@ def _load_path(
         return load_jsonl(f, tok, cap, cfg.mask_prompt, cfg.overlong, warn)
 
     def finish(splits: dict[str, list[Example]]) -> dict[str, list[Example]]:
-        return {k: chunk_examples(v, cfg.seq_len) if cfg.pack else v for k, v in splits.items()}
+        bos = row_bos(tok)
+        return {
+            k: chunk_examples(v, cfg.seq_len, bos) if cfg.pack else v for k, v in splits.items()
+        }
 
     if not p.exists():
         raise MespError(f"{p}: no such file or directory")
@@ -445,6 +455,6 @@ def _load_path(
         raise MespError(
             f"{p}: expected a .jsonl or .txt file, or a directory with train.jsonl or .txt files"
         )
-    chunks = chunk_examples(load_text_files(txts, tok), cfg.seq_len)
+    chunks = chunk_examples(load_text_files(txts, tok), cfg.seq_len, row_bos(tok))
     train, valid = split_off_valid(chunks, cfg.valid_fraction, str(p))
     return {"train": train, "valid": valid}

@@ -73,13 +73,19 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> Batch:
     return Batch(input_ids, targets, mask)
 
 
-def chunk_examples(examples: Sequence[Example], seq_len: int) -> list[Example]:
+def chunk_examples(
+    examples: Sequence[Example], seq_len: int, bos_id: int | None = None
+) -> list[Example]:
     """Concatenate examples and cut the stream into rows of seq_len + 1 tokens.
 
     Consecutive rows overlap by one token (row k's last token is row k+1's first input), so
     every token of the stream is a target in exactly one row. This is packing: attention is
     not reset at example boundaries (examples are separated only by their EOS), as with
     mlx-lm or HF packing without position resets. Rows with no trained target are dropped.
+
+    With `bos_id` (models whose tokenizer adds BOS, e.g. Gemma: without it at position 0 their
+    perplexity is several times worse) every row is BOS + the next seq_len stream tokens, so
+    again every stream token is a target in exactly one row.
     """
     if seq_len < 1:
         raise MespError(f"--seq-len must be at least 1, got {seq_len}")
@@ -91,11 +97,17 @@ def chunk_examples(examples: Sequence[Example], seq_len: int) -> list[Example]:
     rows: list[Example] = []
     start = 0
     while start + 1 < len(ids):
-        end = min(start + seq_len + 1, len(ids))
-        row = Example(ids[start:end], [0, *mask[start + 1 : end]])
+        if bos_id is not None and ids[start] != bos_id:
+            end = min(start + seq_len, len(ids))
+            row = Example([bos_id, *ids[start:end]], [0, *mask[start:end]])
+            nxt = end
+        else:
+            end = min(start + seq_len + 1, len(ids))
+            row = Example(ids[start:end], [0, *mask[start + 1 : end]])
+            nxt = start + seq_len if bos_id is None else end  # (a BOS row needs no overlap)
         if row.n_targets:
             rows.append(row)
-        start += seq_len
+        start = nxt
     return rows
 
 

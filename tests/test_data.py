@@ -194,6 +194,20 @@ def test_txt_chunking_covers_every_token_once(tok: Tokenizer, tmp_path: Path) ->
     assert single["train"] and single["valid"]
 
 
+def test_rows_start_with_bos_for_models_that_want_it() -> None:
+    """Gemma-style tokenizers (add BOS): every packed row is BOS + the next tokens, and each
+    stream token is still a target exactly once; a row already at a BOS keeps just one."""
+    from mesp.data_batches import Example
+
+    bos = 2
+    docs = [Example([bos, *range(10, 30)], [0] + [1] * 20), Example([bos, 40, 41], [0, 1, 1])]
+    rows = chunk_examples(docs, seq_len=8, bos_id=bos)
+    assert all(r.ids[0] == bos and len(r.ids) <= 9 for r in rows)
+    assert all(r.ids.count(bos) <= 2 for r in rows) and rows[0].ids[:2] == [bos, 10]
+    got = [t for r in rows for t in targets(r)]
+    assert got == [*range(10, 30), 40, 41]  # a document's own BOS is input, never a target
+
+
 def test_packing_fills_rows_and_keeps_masks(wtok: Tokenizer, tmp_path: Path) -> None:
     rows = [{"prompt": "q hi", "completion": "a yo"}] * 5  # 6 tokens each, 3 trained
     f = write_jsonl(tmp_path / "p.jsonl", rows)
