@@ -101,43 +101,57 @@ def _sliced_head(
     norm: float | None,
     rw: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """As _dense_head over the whole head, but with the head in vocabulary slices (outer loop,
-    so each slice is dequantized once per pass). Pass 1, online logsumexp: with m the running max,
-    s ← s·e^(m−m') + Σ e^(z−m'), lse = m + log s. Pass 2 re-forms each slice's logits and
-    accumulates dhs += dlogits_slice · W_slice (the vocabulary sum of dh = dlogits W)."""
+    """As _dense_head over the whole head, in vocabulary slices (outer loop: each slice is
+    dequantized once) and ONE pass, the way flash attention accumulates its output. With m the
+    running row max and s the running sum of e^(z−m):
+        s ← s·e^(m−m') + Σ_v e^(z_v−m'),   acc ← acc·e^(m−m') + Σ_v e^(z_v−m')·c_v·W_v
+    where c_v = 1 − tanh²(u_v/cap) under a softcap (else 1). At the end lse = m + log s and
+        dh = (acc/s − c_target·W_target) / norm = Σ_v (softmax_v − onehot_v)·c_v·W_v / norm,
+    so the logits are formed once instead of twice (one logsumexp pass, one gradient pass)."""
     ct = torch.promote_types(hs.dtype, torch.float32)
     n, vocab = hs.shape[0], head.out_features
+    grad = norm is not None
     m = torch.full((n,), -torch.inf, dtype=ct, device=hs.device)
     s, tz = torch.zeros_like(m), torch.zeros_like(m)
-    slices = [(v0, min(v0 + vchunk, vocab)) for v0 in range(0, vocab, vchunk)]
-    for v0, v1 in slices:
+    ctg = torch.ones_like(m) if grad and cap else None  # cap'(z) at each row's target
+    acc = torch.zeros(hs.shape, dtype=ct, device=hs.device) if grad else None
+    for v0 in range(0, vocab, vchunk):
+        v1 = min(v0 + vchunk, vocab)
         w = head.rows(v0, v1, hs.dtype).to(hs.dtype)
         local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
         for r0 in range(0, n, rows):
-            z, _ = _logits(hs[r0 : r0 + rows], w, cap, ct)
-            mc, sc, lc = m[r0 : r0 + rows], s[r0 : r0 + rows], local[r0 : r0 + rows]
-            zt = z.gather(1, lc.clamp(min=0)[:, None]).squeeze(1)  # before z is overwritten
-            tz[r0 : r0 + rows] = torch.where(lc >= 0, zt, tz[r0 : r0 + rows])  # target logits
+            r = slice(r0, r0 + rows)
+            z, t = _logits(hs[r], w, cap, ct)
+            mc, sc, lc = m[r], s[r], local[r]
+            hit, col = lc >= 0, lc.clamp(min=0)[:, None]
+            tz[r] = torch.where(hit, z.gather(1, col).squeeze(1), tz[r])  # before z changes
             m_new = torch.maximum(mc, z.amax(-1))
-            sc.mul_((mc - m_new).exp_()).add_(z.sub_(m_new[:, None]).exp_().sum(-1))
+            scale = (mc - m_new).exp_()
+            e = z.sub_(m_new[:, None]).exp_()  # (c, v), in place of z
+            sc.mul_(scale).add_(e.sum(-1))
+            if acc is not None:
+                if ctg is not None:  # cap'(z) = 1 − tanh²
+                    c = t.square_().neg_().add_(1.0)
+                    ctg[r] = torch.where(hit, c.gather(1, col).squeeze(1), ctg[r])
+                    e.mul_(c)
+                acc[r].mul_(scale[:, None]).add_(e.to(w.dtype) @ w)  # (c, v)(v, D)
             mc.copy_(m_new)
-            del z  # free this chunk's logits before the next is formed
+            del z, t, e  # free this chunk's logits before the next is formed
         del w  # and this slice before the next is dequantized
-    lse = m.add_(s.log_())
+    lse = m + s.log()  # (s is still needed below)
     loss = _weighted(lse - tz, rw).sum(dtype=torch.float64)
-    if norm is None:
+    if acc is None or norm is None:
         return loss, None
-    acc = torch.zeros(hs.shape, dtype=ct, device=hs.device)
-    for v0, v1 in slices:
-        w = head.rows(v0, v1, hs.dtype).to(hs.dtype)
-        local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
-        for r0 in range(0, n, rows):
-            z, t = _logits(hs[r0 : r0 + rows], w, cap, ct)
-            rc = None if rw is None else rw[r0 : r0 + rows]
-            p = _dlogits(z, t, lse[r0 : r0 + rows], local[r0 : r0 + rows], norm, rc)
-            acc[r0 : r0 + rows] += p.to(w.dtype) @ w  # (c, v)(v, D)
-            del z, t, p
-        del w
+    for r0 in range(0, n, rows):  # acc/s − c_t·W_t, row chunk by row chunk
+        r = slice(r0, r0 + rows)
+        wt = head.gather(tgt[r]).to(ct)
+        if ctg is not None:
+            wt.mul_(ctg[r, None])
+        a = acc[r].div_(s[r, None]).sub_(wt)
+        a.div_(norm)
+        if rw is not None:
+            a.mul_(rw[r, None])
+        del wt
     return loss, acc.to(hs.dtype)
 
 
