@@ -414,7 +414,11 @@ def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
         "kernel): random weights of the named shape, LoRA rank r on q,k,v,o,gate,up,down, one "
         "random sequence, all tokens trained, warm-up step(s) first. Exact peak: every live "
         "tensor storage during one step (engine step + SGD step). RSS: VmHWM reset right "
-        "before a step. Time: median of untracked steps.",
+        "before a step. Time: median of untracked steps. Rows marked '(meta)' were measured "
+        "on PyTorch's meta device (`--device meta`): the same code on shapes and dtypes "
+        "without arithmetic, so their exact peak is what a CPU run holds (tested rung by rung "
+        "in tests/test_bench_ladder.py) but they have no RSS and no time; a CPU row of the "
+        "same configuration takes precedence.",
         "",
         _matmul_note(rows),
         "",
