@@ -209,7 +209,8 @@ def targets(rows: list[Row]) -> list[str]:
     """The acceptance targets (bf16), each with the measured figure."""
     real = [r for r in rows if not r.get("quick")]  # tiny --quick shapes are not targets
     t1, t2 = index(real, "table1", "bfloat16"), index(real, "table2", "bfloat16")
-    body = []
+    body: list[list[str]] = []
+    notes: list[str] = []
 
     def add(what: str, value: float | None, limit: float, le: bool = True) -> None:
         met = value is not None and (value <= limit if le else value >= limit)
@@ -237,9 +238,33 @@ def targets(rows: list[Row]) -> list[str]:
         add(f"{shape}: mesp / mebp step time", ratio(secs(r), secs(mebp)), 1.10)
         tps = ratio(secs(peft), secs(r))  # = mesp tokens/s over peft tokens/s
         add(f"{shape}: mesp / peft+gc tokens/s", tps, 1.0, le=False)
+        add(f"{shape}: mesp unquant. / peft+gc tokens/s", ratio(secs(peft), secs(fp)), 1.0, False)
+        notes += _bounds(shape, r, fp, peft)
     s = {k[1]: r for k, r in t2.items() if k[3] == "mesp"}
     add("mesp working, seq 4096 / seq 1024", ratio(mem(s.get(4096)), mem(s.get(1024))), 4.4)
-    return _grid(["target", "measured", "goal", ""], body) + [""]
+    return _grid(["target", "measured", "goal", ""], body) + ["", *notes, ""]
+
+
+def _bounds(shape: str, r: Row, fp: Row | None, peft: Row | None) -> list[str]:
+    """What bounds the PEFT comparisons, from the same rows."""
+    if not (ok(r) and ok(peft)):
+        return []
+    w, tot, pt = mem(r, "weights"), mem(r, "total"), mem(peft, "total")
+    out = [
+        f"- {shape}, total vs peft+gc: the frozen weights bound it. mesp holds {w:.0f} of its "
+        f"{tot:.0f} MiB in 4-bit weights (working {mem(r):.0f} MiB against peft+gc's "
+        f"{mem(peft):.0f}); at bf16, weights alone are {mem(fp, 'weights') or 0:.0f} of "
+        f"peft+gc's {pt:.0f} MiB, so no engine gets under {(mem(fp, 'weights') or 0) / pt:.2f} "
+        "without taking the weights out of memory, which `--stream-weights` does (row above)."
+    ]
+    if secs(r) and secs(peft) and secs(fp):
+        out.append(
+            f"- {shape}, speed vs peft+gc: mesp on the 4-bit base dequantizes every weight three "
+            "times a step (forward, recompute, backward), where peft+gc multiplies by its bf16 "
+            f"weights directly; on the same bf16 base mesp runs at "
+            f"{secs(peft) / secs(fp):.2f}x peft+gc's tokens/s."  # type: ignore[operator]
+        )
+    return out
 
 
 def _matmul_note(rows: list[Row]) -> str:

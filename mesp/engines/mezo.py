@@ -104,8 +104,12 @@ class MeZOEngine:
         order, from one generator seeded with `seed`, so one seed always gives the same z.
         Only one tensor's z exists at a time."""
         named = perturbed_tensors(model, self.perturb_all)
-        g = torch.Generator(device=named[0][1].device if named else "cpu").manual_seed(seed)
+        dev = named[0][1].device if named else torch.device("cpu")
+        g = torch.Generator(device="cpu" if dev.type == "meta" else dev).manual_seed(seed)
         for name, t in named:
+            if t.is_meta:  # memory accounting: the direction's size, no values
+                yield name, t, torch.empty_like(t)
+                continue
             yield name, t, torch.randn(t.shape, generator=g, dtype=t.dtype, device=t.device)
 
     @torch.no_grad()
