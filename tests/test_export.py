@@ -118,7 +118,9 @@ def test_runner_trains_like_the_engine(cases, family: str) -> None:  # type: ign
     case, rows = cases(family), _rows()
     trainer, losses = runner.train(case.art, rows, runner.RunConfig(STEPS, LR))
     ref = _engine_run(case, rows, STEPS)
-    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= 1e-6, (losses, ref)
+    # the engine sums row losses in fp64, the exported graph in fp32 (edge runtimes lack fp64):
+    # the per-step losses (~5) may differ by a few fp32 ulps (4.8e-7 each)
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= 4e-6, (losses, ref)
     assert losses[-1] < losses[0]  # it learned something
     params = dict(case.model.named_parameters())
     for i, lora in enumerate(trainer.lora):
