@@ -94,6 +94,20 @@ def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
     return hs
 
 
+def _mlp_piece(
+    mlp: MLP, dd: Tensor, n2: Tensor, gate: Tensor, up: Tensor, hs: dict[str, Tensor]
+) -> Tensor:
+    """dn2 for tokens whose MLP input n2, gate/up and output gradient dd are given (all of a
+    block's tokens, or one tile); hs: stored h per projection for these tokens, if any."""
+    dm = _lin_bwd(mlp.down_proj, dd, gated_act(gate, up, mlp.act), h=hs.get("down_proj"))
+    dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
+    del dm, gate, up
+    dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"))
+    del dgate
+    dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"))
+    return dn2
+
+
 def _mlp_backward(mlp: MLP, dd: Tensor, tape: Tape, hs: dict[str, Tensor]) -> Tensor:
     """dd (B, S, hidden) at the MLP output -> dn2 at its input. With gate/up on the tape, in one
     piece; else (tiled forward) mlp.tile tokens at a time: gate/up recomputed from n2 for the
@@ -101,35 +115,20 @@ def _mlp_backward(mlp: MLP, dd: Tensor, tape: Tape, hs: dict[str, Tensor]) -> Te
     the LoRA gradients (sums over tokens) accumulate tile by tile."""
     n2 = tape.pop("n2")
     if "gate" in tape:
-        gate, up = tape.pop("gate"), tape.pop("up")
-        dm = _lin_bwd(mlp.down_proj, dd, gated_act(gate, up, mlp.act), h=hs.get("down_proj"))
-        dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
-        del dm, gate, up
-        dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"))
-        del dgate
-        dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"))
-        return dn2
+        return _mlp_piece(mlp, dd, n2, tape.pop("gate"), tape.pop("up"), hs)
     shape = n2.shape
     n2, dd = n2.reshape(-1, shape[-1]), dd.reshape(-1, shape[-1])
-    h2 = {
+    mlp_h = {
         k: v.reshape(n2.shape[0], -1)
         for k, v in hs.items()
-        if k.endswith(("gate_proj", "up_proj", "down_proj"))
+        if k in ("gate_proj", "up_proj", "down_proj")
     }
     dn2 = torch.empty_like(n2)
     for r in range(0, n2.shape[0], mlp.tile):
-        t, sl = n2[r : r + mlp.tile], slice(r, r + mlp.tile)
-        gate, up = mlp.gate_proj(t), mlp.up_proj(t)
-        hd = h2["down_proj"][sl] if "down_proj" in h2 else None
-        dm = _lin_bwd(mlp.down_proj, dd[sl], gated_act(gate, up, mlp.act), h=hd)
-        dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
-        del dm, gate, up
-        hg = h2["gate_proj"][sl] if "gate_proj" in h2 else None
-        hu = h2["up_proj"][sl] if "up_proj" in h2 else None
-        dn2[sl] = _lin_bwd(mlp.gate_proj, dgate, t, h=hg)
-        del dgate
-        dn2[sl] += _lin_bwd(mlp.up_proj, dup, t, h=hu)
-        del dup
+        sl = slice(r, r + mlp.tile)
+        t = n2[sl]
+        tile_h = {k: v[sl] for k, v in mlp_h.items()}
+        dn2[sl] = _mlp_piece(mlp, dd[sl], t, mlp.gate_proj(t), mlp.up_proj(t), tile_h)
     return dn2.view(shape)
 
 
