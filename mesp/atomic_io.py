@@ -7,23 +7,35 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from mesp.errors import MespError
+
+
+def _reason(e: Exception) -> str:
+    """One line: the OS's words for an OSError; safetensors' own message (it wraps the
+    same errno, e.g. 'No space left on device (os error 28)') otherwise."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """`write(tmp_path)` into a temp file in the same directory, fsync it, rename it over
     `path`, fsync the directory (so the rename itself survives a power cut)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        raise MespError(f"{path}: could not save ({e.strerror or e})") from None
+    except (OSError, SafetensorError) as e:
+        # safetensors' writer raises SafetensorError (not an OSError) on ENOSPC/EFBIG/EACCES
+        raise MespError(f"{path}: could not save ({_reason(e)})") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     dfd = os.open(path.parent, os.O_RDONLY)
     try:

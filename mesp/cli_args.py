@@ -30,37 +30,47 @@ def _base_type(tp: Any) -> Any:
     return origin or tp
 
 
+def _tuple_arg(s: str) -> tuple[str, ...]:
+    return tuple(x for x in s.split(",") if x)
+
+
 def add_dataclass_args(
     parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()
 ) -> None:
+    """One flag per field: `--field-name` (or metadata "flag"), dest = the field name, the
+    field's help with its default; metadata may also give "choices", "metavar", "required"."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         tp = _base_type(hints[f.name])
-        help_ = f.metadata.get("help", "")
+        help_ = meta.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        kw: dict[str, Any] = {"dest": f.name}
+        if meta.get("required"):
+            kw["required"] = True
+        else:
+            kw["default"] = default
         if tp is bool:
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_
-            )
-        elif tp is tuple:
-            group.add_argument(
                 flag,
-                type=lambda s: tuple(x for x in s.split(",") if x),
-                default=default,
-                help=f"{help_} (comma-separated)",
+                action=argparse.BooleanOptionalAction,
+                help=f"{help_} (default: {'on' if default else 'off'})",
+                **kw,
             )
+            continue
+        if tp is tuple:
+            shown = ",".join(default) if default else "none"
+            kw.update(type=_tuple_arg, help=f"{help_} (comma-separated; default: {shown})")
         else:
-            group.add_argument(
-                flag,
-                type=tp,
-                default=default,
-                help=f"{help_} (default: {default})",
-                choices=f.metadata.get("choices"),
-            )
+            shown = "" if meta.get("required") else f" (default: {default})"
+            kw.update(type=tp, help=f"{help_}{shown}", choices=meta.get("choices"))
+        if "metavar" in meta:
+            kw["metavar"] = meta["metavar"]
+        group.add_argument(flag, **kw)
 
 
 def from_args(cls: type[T], ns: argparse.Namespace, **extra: Any) -> T:
@@ -118,18 +128,48 @@ def apply_resume_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> N
 
 
 def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """Values from --config become defaults, so explicit flags still win."""
+    """Values from --config become defaults, so explicit flags still win. Keys are flag names
+    (`data`, `seq-len`, `seq_len`); each value goes through the flag's own type and choices."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     ns, _ = pre.parse_known_args(argv)
     if not ns.config:
         return
     values = load_config_file(ns.config)
-    known = {a.dest for a in parser._actions}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise MespError(f"{ns.config}: unknown option {unknown[0]!r}")
+    by_key: dict[str, argparse.Action] = {}
+    for a in parser._actions:
+        for opt in a.option_strings:
+            if opt.startswith("--") and not opt.startswith("--no-"):
+                by_key[opt[2:].replace("-", "_")] = a
+    defaults = {}
     for k, v in values.items():
-        if isinstance(v, list):
-            values[k] = tuple(v)
-    parser.set_defaults(**values)
+        action = by_key.get(k)
+        if action is None or k in ("config", "help"):
+            raise MespError(f"{ns.config}: unknown option {k!r}")
+        defaults[action.dest] = _config_value(ns.config, k, v, action)
+    parser.set_defaults(**defaults)
+
+
+def _config_value(src: str, key: str, v: Any, action: argparse.Action) -> Any:
+    """A config file's value as the flag would parse it; one-line error otherwise."""
+    bad = MespError(f"{src}: {key}: invalid value {v!r}")
+    if action.nargs == 0:  # on/off flags
+        if not isinstance(v, bool):
+            raise MespError(f"{src}: {key}: expected true or false, got {v!r}")
+        return v
+    if isinstance(v, dict):
+        raise bad
+    if isinstance(v, list):
+        if action.type is not _tuple_arg or not all(isinstance(x, str) for x in v):
+            raise bad
+        v = ",".join(v)
+    if v is None or isinstance(v, bool):
+        raise bad
+    try:
+        out = action.type(str(v)) if callable(action.type) else str(v)
+    except (ValueError, TypeError, MespError):
+        raise bad from None
+    if action.choices is not None and out not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise MespError(f"{src}: {key}: {v!r} is not one of {choices}")
+    return out

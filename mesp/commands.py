@@ -114,7 +114,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             atomic_write(out / "run_args.json", lambda p: Path(p).write_text(json.dumps(run_args)))
             if resume is not None and base_f.exists():
                 before = json.loads(base_f.read_text())
-            else:
+            elif splits["valid"]:
                 before = evaluate(
                     model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches
                 )
@@ -138,10 +138,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         shutdown()
     if not main:
         return 0
-    after = res.valid[-1]
+    after = res.valid[-1] if res.valid else {}
     summary = {
-        "valid_ppl_before": before["ppl"],
-        "valid_ppl_after": after["ppl"],
+        "valid_ppl_before": before.get("ppl"),
+        "valid_ppl_after": after.get("ppl"),
         "peak_rss_mb": (res.peak_rss_bytes or 0) / 2**20,
         "seconds": res.seconds,
         "adapter": str(out),
@@ -149,9 +149,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
     atomic_write(
         out / "summary.json", lambda p: Path(p).write_text(json.dumps(summary, indent=2) + "\n")
     )
+    ppl = (
+        f"valid perplexity {before['ppl']:.2f} -> {after['ppl']:.2f}"
+        if before and after
+        else "no validation set"
+    )
     print(
-        f"mesp: valid perplexity {before['ppl']:.2f} -> {after['ppl']:.2f}; "
-        f"peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; adapter in {out}"
+        f"mesp: {ppl}; peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; "
+        f"adapter in {out}"
     )
     return 0
 
@@ -258,11 +263,13 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from mesp.data import DataConfig, load_splits, pad_id_of
     from mesp.train import evaluate
 
+    is_file = ns.path is not None and Path(ns.path).is_file()
+    # a file is scored whole; a directory (or the built-in set) by its validation split
+    cfg = from_args(DataConfig, ns, valid_fraction=0.0 if is_file else 0.05)
+    cfg.validate()
     loaded = _model_with_adapter(ns)
     tok = _tokenizer(loaded)
-    _check_seq_len(loaded.model, ns.seq_len)
-    is_file = ns.path is not None and Path(ns.path).is_file()
-    cfg = DataConfig(path=ns.path, seq_len=ns.seq_len, valid_fraction=0.0 if is_file else 0.05)
+    _check_seq_len(loaded.model, cfg.seq_len)
     splits = load_splits(cfg, tok)
     rows = splits["train"] if is_file else splits["valid"]
     t0 = time.perf_counter()
@@ -278,14 +285,40 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 def cmd_generate(ns: argparse.Namespace) -> int:
     from mesp.generate import generate
 
+    if not ns.prompt:
+        raise MespError("--prompt is empty; give the text to continue")
+    if not 0.0 < ns.top_p <= 1.0:
+        raise MespError(f"--top-p must be in (0, 1], got {ns.top_p}")
+    if not ns.temperature >= 0.0:
+        raise MespError(f"--temperature must be >= 0 (0 = greedy), got {ns.temperature}")
+    if ns.max_tokens < 1:
+        raise MespError(f"--max-tokens must be at least 1, got {ns.max_tokens}")
     loaded = _model_with_adapter(ns)
     tok = _tokenizer(loaded)
     text = ns.prompt
     if ns.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}], True)
     ids = tok.encode(text)
+    room = loaded.model.config.max_position_embeddings - len(ids)
+    if room < 1:
+        raise MespError(
+            f"the prompt is {len(ids)} tokens; the model takes at most "
+            f"{loaded.model.config.max_position_embeddings} positions"
+        )
+    if ns.max_tokens > room:
+        print(
+            f"mesp: note: stopping after {room} tokens, at the model's "
+            f"{loaded.model.config.max_position_embeddings} positions",
+            file=sys.stderr,
+        )
     out = generate(
-        loaded.model, ids, ns.max_tokens, ns.temperature, ns.top_p, tok.stop_ids, ns.seed
+        loaded.model,
+        ids,
+        min(ns.max_tokens, room),
+        ns.temperature,
+        ns.top_p,
+        tok.stop_ids,
+        ns.seed,
     )
     print(tok.decode(out))
     return 0
@@ -295,19 +328,43 @@ def cmd_grad(ns: argparse.Namespace) -> int:
     from mesp.data import DataConfig, load_splits, pad_id_of
     from mesp.data_batches import collate
     from mesp.engines import make_engine
-    from mesp.lora import LoraConfig, adapter_state, apply_lora
+    from mesp.lora import LoraConfig, adapter_state, apply_lora, check_output_dir
 
     out = Path(ns.out)
     if out.is_dir():
         raise MespError(f"{out}: is a directory; give a .safetensors file path")
+    if ns.engine == "mezo":
+        raise MespError(
+            "mesp grad: mezo computes no gradient (one projected scalar per probe); "
+            "use --engine bp, mebp or mesp"
+        )
+    if ns.adapter and ns.init_b:
+        raise MespError("--init-b applies to a fresh adapter; drop it or drop --adapter")
+    if ns.batch_size < 1:
+        raise MespError(f"--batch-size must be at least 1, got {ns.batch_size}")
+    is_file = ns.path is not None and Path(ns.path).is_file()
+    cfg = from_args(DataConfig, ns, valid_fraction=0.0 if is_file else 0.05)
+    cfg.validate()
+    lora_cfg = from_args(LoraConfig, ns)
+    check_output_dir(out.parent)  # fail before the work, not after
     engine = make_engine(ns.engine, **_engine_opts(ns))
     loaded = _model_with_adapter(ns)
     model, tok = loaded.model, _tokenizer(loaded)
+    _check_seq_len(model, cfg.seq_len)
     engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
     if not ns.adapter:
-        apply_lora(model, LoraConfig(rank=ns.rank))
-    is_file = ns.path is not None and Path(ns.path).is_file()
-    cfg = DataConfig(path=ns.path, seq_len=ns.seq_len, valid_fraction=0.0 if is_file else 0.05)
+        apply_lora(model, lora_cfg, seed=ns.seed)
+        if ns.init_b:
+            g = torch.Generator().manual_seed(ns.seed + 1)
+            for mod in model.lora_modules().values():
+                b = torch.randn(mod.lora_B.shape, generator=g) * ns.init_b
+                mod.lora_B.data.copy_(b.to(mod.lora_B.dtype))
+        else:
+            print(
+                "mesp: note: a fresh adapter has lora_B = 0, so every lora_A gradient is 0 "
+                "(give --adapter or --init-b 0.01 to compare engines on both)",
+                file=sys.stderr,
+            )
     rows = load_splits(cfg, tok)["train"][: ns.batch_size]
     batch = collate(rows, pad_id_of(tok))
     loss = engine.step(model, batch, batch.n_tokens)
@@ -320,10 +377,7 @@ def cmd_grad(ns: argparse.Namespace) -> int:
         "loss": f"{loss / batch.n_tokens:.8f}",
         "tokens": str(batch.n_tokens),
     }
-    try:
-        save_file(grads, str(out), metadata=meta)
-    except OSError as e:
-        raise MespError(f"{out}: cannot write ({e.strerror or e})") from None
+    atomic_write(out, lambda p: save_file(grads, p, metadata=meta))
     print(f"mesp: wrote {len(grads)} gradients (loss {loss / batch.n_tokens:.4f}) to {out}")
     return 0
 

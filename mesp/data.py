@@ -82,10 +82,11 @@ class DataConfig:
     path: str | None = field(
         default=None,
         metadata={
+            "flag": "--data",
             "help": (
                 "dir with train.jsonl [valid.jsonl test.jsonl], a .jsonl or .txt file, or a dir of "
                 ".txt files; unset = built-in Shakespeare"
-            )
+            ),
         },
     )
     seq_len: int = field(
@@ -234,8 +235,15 @@ def parse_row(row: Any, tok: Tokenizer, mask_prompt: bool = False, where: str = 
     if "messages" in row:
         return _chat(row, tok, mask_prompt, where)
     if "prompt" in row and "completion" in row:
-        p = tok.encode(_string(row, "prompt", where))
-        c = tok.encode(_string(row, "completion", where), add_bos=False) + eos
+        prompt, completion = _string(row, "prompt", where), _string(row, "completion", where)
+        if tok.chat_template:  # as mlx-lm: a user turn and an assistant turn, templated
+            msgs = [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": completion},
+            ]
+            return _chat({"messages": msgs}, tok, mask_prompt, where)
+        p = tok.encode(prompt)
+        c = tok.encode(completion, add_bos=False) + eos
         if mask_prompt:
             return Example(p + c, [0] * len(p) + [1] * len(c))
         return _all_trained(p + c)
@@ -292,10 +300,12 @@ def load_jsonl(
     path, warn = Path(path), warn or _log.warning
     out: list[Example] = []
     rows = truncated = dropped = untrained = 0
+    first_long = ""  # FILE:LINE of the first over-long row, for the warning
     for where, obj in _jsonl_rows(path):
         ex = parse_row(obj, tokenizer, mask_prompt, where)
         rows += 1
         if len(ex.ids) > seq_len + 1:
+            first_long = first_long or where
             if overlong == "error":
                 raise MespError(
                     f"{where}: row has {len(ex.ids)} tokens, more than --seq-len {seq_len}+1; "
@@ -314,9 +324,15 @@ def load_jsonl(
         raise MespError(f"{path}: no rows (the file is empty)")
     cap = f"--seq-len {seq_len}+1 = {seq_len + 1} tokens"
     if truncated:
-        warn(f"{path}: truncated {truncated} of {rows} rows to {cap}")
+        warn(
+            f"{first_long}: truncated {truncated} of {rows} rows (this is the first) to {cap}; "
+            "raise --seq-len, use --pack, or --overlong drop|error"
+        )
     if dropped:
-        warn(f"{path}: dropped {dropped} of {rows} rows longer than {cap}")
+        warn(
+            f"{first_long}: dropped {dropped} of {rows} rows longer than {cap} (this is the "
+            "first); raise --seq-len or use --pack"
+        )
     if untrained:
         warn(f"{path}: skipped {untrained} of {rows} rows with no trained token")
     if not out and dropped == rows:

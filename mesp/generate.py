@@ -42,5 +42,6 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, g: torch.Gen
     if top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p
         p, idx = probs.sort(descending=True)
         keep = p.cumsum(0) - p < top_p
+        keep[0] = True  # the most likely token always stays (top_p -> 0 is greedy)
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
     return int(torch.multinomial(probs / probs.sum(), 1, generator=g))

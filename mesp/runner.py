@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 FORMAT, VERSION = "mesp-artifacts", 1
@@ -337,14 +337,26 @@ def train(
 
 
 def _atomic(path: Path, write: Callable[[str], object]) -> None:
+    """Temp file, fsync, rename, fsync the directory. safetensors' writer raises
+    SafetensorError (not OSError) when the disk is full: it becomes an OSError here."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except SafetensorError as e:
+            raise OSError(str(e).splitlines()[0]) from None
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def save_adapter(trainer: Trainer, out: Path) -> None:

@@ -128,7 +128,7 @@ def train(
 ) -> TrainResult:
     """Train the model's adapters with `engine`; with `dp`, this process is one data-parallel
     rank: it computes its slice of each global batch, and only rank 0 evaluates, logs and saves."""
-    from mesp.memory_rss import current_rss_bytes, peak_rss_bytes
+    from mesp.memory_rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes
 
     params = model.lora_parameters()
     opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)
@@ -143,7 +143,8 @@ def train(
     if dp is not None and hasattr(engine, "reduce"):  # mezo: ranks share scalars, not tensors
         engine.reduce = dp.sum_scalars
     out_dir.mkdir(parents=True, exist_ok=True)
-    log_f = (out_dir / "log.jsonl").open("a") if main else None
+    # a resumed run continues its log; a fresh run into an old directory starts a new one
+    log_f = (out_dir / "log.jsonl").open("a" if resume is not None else "w") if main else None
     bar = _progress(cfg, st.step) if main else None
     t_start = time.perf_counter()
     stop = _SignalFlag()
@@ -155,7 +156,7 @@ def train(
             log_f.flush()
 
     def validate(step: int) -> None:
-        if not main:
+        if not main or not valid_examples:  # --valid-fraction 0 and no valid.jsonl
             return
         model.eval()
         v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches)
@@ -216,15 +217,19 @@ def train(
             opt.zero_grad(set_to_none=True)
             st.step = step
             dt = time.perf_counter() - t0
-            tokens = sum(b.input_ids.numel() for b in micro)
+            tokens = sum(b.input_ids.numel() for b in micro)  # positions, padding included
             row = {
                 "step": step,
                 "loss": loss,
                 "lr": lr,
                 "tokens_per_s": tokens / dt,
+                "trained_tokens_per_s": normalizer / dt,
                 "step_s": dt,
                 "peak_rss_mb": peak_rss_bytes() / 2**20,
             }
+            cuda_peak = cuda_peak_bytes()
+            if cuda_peak is not None:
+                row["cuda_peak_mb"] = cuda_peak / 2**20
             st.losses.append(loss)
             log(row)
             if bar is not None:

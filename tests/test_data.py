@@ -100,6 +100,22 @@ def test_prompt_completion_mask_by_hand(wtok: Tokenizer, tmp_path: Path) -> None
     assert batch.n_tokens == 3
 
 
+def test_prompt_completion_uses_the_chat_template_like_mlx_lm(
+    tok: Tokenizer, tmp_path: Path
+) -> None:
+    """With a chat template, {prompt, completion} is a user turn + an assistant turn (as
+    mlx-lm's CompletionsDataset renders it), and --mask-prompt trains the assistant turn."""
+    f = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "two plus two?", "completion": "four."}])
+    msgs = [
+        {"role": "user", "content": "two plus two?"},
+        {"role": "assistant", "content": "four."},
+    ]
+    [plain] = load_jsonl(f, tok, 128)
+    [masked] = load_jsonl(f, tok, 128, mask_prompt=True)
+    assert plain.ids == masked.ids == tok.encode(tok.apply_chat_template(msgs))
+    assert tok.decode(targets(masked), skip_special=False) == "four.<|end|>"
+
+
 def test_messages_mask_prompt_trains_last_assistant_only(tok: Tokenizer, tmp_path: Path) -> None:
     msgs = [
         {"role": "user", "content": "what is two plus two?"},

@@ -1,0 +1,174 @@
+"""CLI edges a user hits: config files, no validation set, a rerun into an old directory, the
+grad/generate flags that have no meaning, and a real disk-full write (not a patched writer)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from mesp.cli import main
+from tests.tiny_dir import make_jsonl, make_model_dir
+
+FAST = ["--quantize", "none", "--seq-len", "48", "--no-progress", "--eval-batches", "1"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("edges")
+    return {
+        "root": root,
+        "model": make_model_dir(root / "model", "qwen2"),
+        "data": make_jsonl(root / "d.jsonl", 16),
+    }
+
+
+def _train(env: dict[str, Path], out: Path, *extra: str) -> int:
+    argv = ["train", "--model", str(env["model"]), "--data", str(env["data"]), *FAST]
+    return main([*argv, "--adapter-out", str(out), *extra])
+
+
+def test_config_file_takes_every_flag_by_its_name(
+    env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`data` (whose field is `path`), tuples as lists, numbers as numbers; flags still win."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f'data = "{env["data"]}"\nrank = 2\ntargets = ["q_proj", "v_proj"]\nsteps = 2\n'
+        'quantize = "none"\nseq-len = 48\nprogress = false\neval_batches = 1\n'
+    )
+    out = tmp_path / "out"
+    assert main(["train", "--model", str(env["model"]), "--config", str(cfg), "--steps", "1",
+                 "--adapter-out", str(out)]) == 0  # fmt: skip
+    args = json.loads((out / "run_args.json").read_text())
+    assert args["path"] == str(env["data"]) and args["rank"] == 2
+    assert args["targets"] == ["q_proj", "v_proj"] and args["steps"] == 1
+    keys = load_file(str(out / "adapter_model.safetensors"))
+    assert {k.split(".")[-3] for k in keys} == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("rank: [2]\n", "rank: invalid value [2]"),
+        ("rank: two\n", "rank: invalid value 'two'"),
+        ("engine: fast\n", "engine: 'fast' is not one of"),
+        ("pack: 3\n", "pack: expected true or false"),
+        ("lr: {a: 1}\n", "lr: invalid value"),
+    ],
+)
+def test_config_file_values_are_checked_like_flags(
+    env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture, text: str, expect: str
+) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    out = tmp_path / "out"
+    assert _train(env, out, "--config", str(cfg)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expect in err, err
+    assert not out.exists() or not (out / "adapter_model.safetensors").exists()
+
+
+def test_no_validation_set_trains_and_says_so(
+    env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    assert _train(env, out, "--valid-fraction", "0", "--steps", "2") == 0
+    assert "no validation set" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["valid_ppl_before"] is None and summary["valid_ppl_after"] is None
+    assert (out / "adapter_model.safetensors").exists()
+
+
+def test_a_fresh_run_starts_a_new_log_and_a_resume_continues_it(
+    env: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+
+    def steps() -> list[int]:
+        rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+        return [r["step"] for r in rows if "loss" in r]
+
+    assert _train(env, out, "--steps", "2", "--save-every", "1") == 0
+    assert steps() == [1, 2]
+    assert _train(env, out, "--steps", "2", "--seed", "3") == 0  # a new run, same directory
+    assert steps() == [1, 2]
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 0
+    assert steps() == [1, 2, 3]
+    row = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    assert 0 < row["trained_tokens_per_s"] <= row["tokens_per_s"]
+
+
+def test_grad_refuses_mezo_and_fills_both_factors_with_init_b(
+    env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    base = ["grad", "--model", str(env["model"]), "--data", str(env["data"]), *FAST[:4]]
+    out = tmp_path / "sub" / "g.safetensors"  # the parent is created
+    assert main([*base, "--engine", "mezo", "--out", str(out)]) == 2
+    assert "mezo computes no gradient" in capsys.readouterr().err
+    assert main([*base, "--out", str(out)]) == 0
+    assert "every lora_A gradient is 0" in capsys.readouterr().err
+    g = load_file(str(out))
+    assert all(float(v.abs().max()) == 0 for k, v in g.items() if "lora_A" in k)
+    assert main([*base, "--init-b", "0.02", "--rank", "2", "--out", str(out)]) == 0
+    g = load_file(str(out))
+    assert all(float(v.abs().max()) > 0 for v in g.values())
+    assert all(v.shape[0] == 2 for k, v in g.items() if "lora_A" in k)
+
+
+@pytest.mark.parametrize(
+    "extra,expect",
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "To be", "--temperature", "0.8", "--top-p", "0"], "--top-p"),
+        (["--prompt", "To be", "--max-tokens", "0"], "--max-tokens"),
+        (["--prompt", "To be", "--temperature", "-1"], "--temperature"),
+    ],
+)
+def test_generate_rejects_flags_without_meaning(
+    env: dict[str, Path], capsys: pytest.CaptureFixture, extra: list[str], expect: str
+) -> None:
+    assert main(["generate", "--model", str(env["model"]), "--quantize", "none", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expect in err, err
+
+
+def test_generate_stops_at_the_models_positions(
+    env: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["generate", "--model", str(env["model"]), "--quantize", "none", "--prompt", "To be"]
+    assert main([*argv, "--max-tokens", "100000", "--temperature", "0.7", "--top-p", "1e-9"]) == 0
+    assert "stopping after" in capsys.readouterr().err
+
+
+def test_disk_full_during_a_real_save_is_one_line_and_keeps_the_old_adapter(
+    env: dict[str, Path], tmp_path: Path
+) -> None:
+    """The real writer (safetensors raises SafetensorError, not OSError) hitting a file-size
+    limit: RLIMIT_FSIZE in a child makes every write past N bytes fail with EFBIG."""
+    out = tmp_path / "out"
+    assert _train(env, out, "--steps", "1") == 0
+    before = (out / "adapter_model.safetensors").read_bytes()
+    limit = len(before) // 2
+    code = (
+        "import resource, signal, sys\n"
+        "from mesp.cli import main\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["train", "--model", str(env["model"]), "--data", str(env["data"]), *FAST]
+    argv += ["--adapter-out", str(out), "--steps", "1", "--seed", "1"]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 2, r.stderr
+    *warnings, last = r.stderr.strip().splitlines()  # warnings: e.g. rows truncated
+    assert "Traceback" not in r.stderr and all("warning" in w for w in warnings), r.stderr
+    assert last.startswith("mesp: error:") and "adapter_model.safetensors: could not save" in last
+    assert (out / "adapter_model.safetensors").read_bytes() == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
