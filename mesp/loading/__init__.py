@@ -33,12 +33,12 @@ def load_model(
     if not p.exists():
         raise MespError(f"{p}: no such file or directory")
     if p.is_file() and p.suffix == ".gguf":
-        from mesp.loading.gguf import read_gguf
+        from mesp.loading.gguf import GGUFFile
 
-        hf, tensors, tok = read_gguf(p)
-        cfg = ModelConfig.from_hf(hf, source=str(p))
-        src = TensorSource(tensors.keys(), tensors.pop, str(p))  # pop: free each once used
-        return Loaded(build_model(cfg, src, dtype, quant), tok, str(p), "gguf")
+        with GGUFFile(p) as g:  # each tensor dequantized from the map only when built
+            cfg = ModelConfig.from_hf(g.config, source=str(p))
+            model = build_model(cfg, TensorSource(g.names, g.tensor, str(p)), dtype, quant)
+            return Loaded(model, g.tokenizer, str(p), "gguf")
     if p.is_dir():
         from mesp.loading.safetensors_dir import read_safetensors_dir
 

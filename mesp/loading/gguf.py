@@ -315,17 +315,29 @@ def _undo_converter(name: str, w: np.ndarray, arch: str, cfg: dict, where: str) 
     return w
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:
-    """Return (hf_config, float32 HF-named tensors, tokenizer) for a llama.cpp GGUF file."""
-    where = str(path)
-    try:
-        with open(path, "rb") as f:
-            if Path(path).stat().st_size == 0:  # mmap cannot map an empty file
-                raise MespError(f"{where}: not a GGUF file (empty)")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise MespError(f"{where}: cannot open: {e.strerror}") from None
-    try:
+class GGUFFile:
+    """An open llama.cpp GGUF file: the HF config and tokenizer are parsed at open; each tensor
+    is dequantized from the memory map only when `tensor(name)` asks for it, so loading peaks at
+    one float32 tensor on top of the model being built (not the whole model in float32)."""
+
+    def __init__(self, path: Path) -> None:
+        self.where = where = str(path)
+        try:
+            with open(path, "rb") as f:
+                if Path(path).stat().st_size == 0:  # mmap cannot map an empty file
+                    raise MespError(f"{where}: not a GGUF file (empty)")
+                self._buf: mmap.mmap | None = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise MespError(f"{where}: cannot open: {e.strerror}") from None
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        where, buf = self.where, self._buf
+        assert buf is not None
         meta, infos = _parse(buf, where)
         arch = meta.get("general.architecture")
         if arch not in ARCHS:
@@ -336,7 +348,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
             cfg = _hf_config(meta, infos, arch, where)
         except (TypeError, ValueError) as e:  # a key holding the wrong kind of value
             raise MespError(f"{where}: bad metadata value: {e}") from None
-        tokenizer = tokenizer_from_gguf(meta, where)
+        self.tokenizer = tokenizer_from_gguf(meta, where)
         layer_map = _GEMMA_LAYER if arch == "gemma3" else _LAYER
         n_layers = cfg["num_hidden_layers"]
         wanted = [f"blk.{i}.{t}.weight" for i in range(n_layers) for t in _REQUIRED[arch]]
@@ -345,32 +357,60 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
         ] + ["output_norm.weight"]
         if missing := [n for n in wanted if n not in infos]:
             raise MespError(f"{where}: missing tensor '{missing[0]}' ({len(missing)} missing)")
-        plan: dict[str, str] = {}  # GGUF name -> HF name, checked before any dequantizing
+        self._by_hf: dict[str, str] = {}  # HF name -> GGUF name, checked before any dequantizing
         for name in infos:
             blk, layer, leaf = (name.split(".", 2) + ["", ""])[:3]
             if name in _GLOBAL:
-                plan[name] = _GLOBAL[name]
+                self._by_hf[_GLOBAL[name]] = name
             elif blk == "blk" and layer.isdigit() and int(layer) < n_layers and leaf in layer_map:
-                plan[name] = f"model.layers.{layer}.{layer_map[leaf]}"
+                self._by_hf[f"model.layers.{layer}.{layer_map[leaf]}"] = name
             elif name != "rope_freqs.weight" or arch != "llama":
                 raise MespError(f"{where}: unexpected tensor '{name}' for architecture {arch}")
-        tensors: dict[str, torch.Tensor] = {}
-        for name, info in infos.items():  # one at a time: peak memory is one tensor's copy
-            raw = np.frombuffer(buf, np.uint8, info.nbytes, info.start)
-            values = dequantize(
-                raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)), info.qtype
-            )
-            if np.may_share_memory(values, raw):  # F32 dequantizes to a view of the map
-                values = values.copy()
-            del raw
-            if name not in plan:  # rope_freqs: Llama 3 rope scaling, folded into the config
-                cfg["rope_scaling"] = _llama3_rope_scaling(values.astype(np.float64), cfg, where)
-                continue
-            values = _undo_converter(name, values, arch, cfg, where)
-            tensors[plan[name]] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-        return cfg, tensors, tokenizer
-    finally:
-        try:
-            buf.close()
-        except BufferError:  # a numpy view is still alive somewhere; the GC will unmap it
-            pass
+        self._infos, self._arch, self.config = infos, arch, cfg
+        if "rope_freqs.weight" in infos:  # Llama 3 rope scaling, folded into the config
+            freqs = self._values("rope_freqs.weight").astype(np.float64)
+            cfg["rope_scaling"] = _llama3_rope_scaling(freqs, cfg, where)
+
+    def _values(self, name: str) -> np.ndarray:
+        if self._buf is None:
+            raise MespError(f"{self.where}: read after close")
+        info = self._infos[name]
+        raw = np.frombuffer(self._buf, np.uint8, info.nbytes, info.start)
+        values = dequantize(
+            raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)), info.qtype
+        )
+        if np.may_share_memory(values, raw):  # F32 dequantizes to a view of the map
+            values = values.copy()
+        return values
+
+    @property
+    def names(self) -> list[str]:
+        """HF names of the tensors this file holds."""
+        return list(self._by_hf)
+
+    def tensor(self, hf_name: str) -> torch.Tensor:
+        """One float32 tensor under its HF name, with llama.cpp's converter edits undone."""
+        name = self._by_hf[hf_name]
+        values = _undo_converter(name, self._values(name), self._arch, self.config, self.where)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    def close(self) -> None:
+        if self._buf is not None:
+            try:
+                self._buf.close()
+            except BufferError:  # a numpy view is still alive somewhere; the GC will unmap it
+                pass
+            self._buf = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:
+    """Return (hf_config, float32 HF-named tensors, tokenizer): every tensor at once (tests,
+    tools); `load_model` goes through GGUFFile and reads one tensor at a time instead."""
+    with GGUFFile(path) as g:
+        return g.config, {n: g.tensor(n) for n in g.names}, g.tokenizer
