@@ -144,9 +144,15 @@ def load_adapter(model: CausalLM, adapter_dir: Path) -> LoraConfig:
         tensors = load_file(str(w_p))
     except Exception as e:  # json or safetensors errors
         raise MespError(f"{adapter_dir}: unreadable adapter: {e}") from None
-    r = int(conf["r"])
+    if not isinstance(conf, dict) or type(conf.get("r")) is not int:
+        raise MespError(f'{conf_p}: needs an integer "r" (the LoRA rank), as PEFT writes it')
+    r, alpha = conf["r"], conf.get("lora_alpha", conf["r"])
+    if type(alpha) not in (int, float):
+        raise MespError(f'{conf_p}: "lora_alpha" must be a number, got {alpha!r}')
+    if any(k.count(".") < 3 for k in tensors):
+        raise MespError(f"{w_p}: tensor names are not PEFT's (…<module>.lora_A.weight)")
     targets = tuple(sorted({k.split(".")[-3] for k in tensors}))
-    cfg = LoraConfig(rank=r, alpha=float(conf.get("lora_alpha", r)), targets=targets)
+    cfg = LoraConfig(rank=r, alpha=float(alpha), targets=targets)
     if conf.get("use_rslora") or conf.get("use_dora"):
         raise MespError(f"{conf_p}: rsLoRA/DoRA adapters are not supported")
     apply_lora(model, cfg)

@@ -88,7 +88,12 @@ class Tokenizer:
         cfg: dict[str, Any] = {}
         tc = path / "tokenizer_config.json"
         if tc.exists():
-            cfg = json.loads(tc.read_text())
+            try:
+                cfg = json.loads(tc.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise MespError(f"{tc}: not valid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise MespError(f"{tc}: expected a JSON object")
 
         def tok_id(key: str) -> int | None:
             v = cfg.get(key)
@@ -102,11 +107,21 @@ class Tokenizer:
         ct = path / "chat_template.jinja"
         if template is None and ct.exists():
             template = ct.read_text()
+        bos_id = tok_id("bos_token")
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:
+            # Llama 3 adds BOS in tokenizer.json's post-processor, with no add_bos_token key
+            # in tokenizer_config.json: ask the post-processor what it prepends.
+            plain = backend.encode("a", add_special_tokens=False).ids
+            full = backend.encode("a", add_special_tokens=True).ids
+            if len(full) == len(plain) + 1 and full[1:] == plain:  # exactly one token in front
+                if bos_id is None or full[0] == bos_id:
+                    bos_id, add_bos = full[0], True
         return cls(
             backend=backend,
-            bos_id=tok_id("bos_token"),
+            bos_id=bos_id,
             eos_id=tok_id("eos_token"),
             pad_id=tok_id("pad_token"),
-            add_bos=bool(cfg.get("add_bos_token", False)),
+            add_bos=bool(add_bos),
             chat_template=template,
         )

@@ -60,37 +60,74 @@ def test_quantize_on_load_equals_quantizing_in_memory(tmp_path: Path) -> None:
         assert (loaded(IDS) - hf(IDS).logits).abs().max() < 0.5
 
 
-def test_mlx_quantized_dir_loads_bit_exact(tmp_path: Path) -> None:
-    """An mlx-community style directory: uint32 words + scales + biases, "quantization" in
-    config.json; loaded without requantizing, it equals our own quantization bit for bit."""
-    w = _write_hf(tmp_path / "src", "qwen2", **QUANT_SIZES)
-    hf, sd = w["hf"], w["sd"]
+def _write_mlx(root: Path, q: QuantSpec = Q, family: str = "qwen2", **over) -> dict:  # type: ignore[no-untyped-def]
+    """An mlx-community style directory: uint32 words + scales + biases for every projection,
+    the embedding and an untied lm_head; "quantization" in config.json."""
+    w = _write_hf(root / "src", family, **{**QUANT_SIZES, **over})
     out: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():
-        quantizable = k.endswith("proj.weight") or k.endswith("embed_tokens.weight")
-        if quantizable:
-            wq, s, b = quantize(v, Q)
+    for k, v in w["sd"].items():
+        if k.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")):
+            wq, sc, b = quantize(v, q)
             base = k.removesuffix(".weight")
             out[f"{base}.weight"], out[f"{base}.scales"], out[f"{base}.biases"] = (
                 to_uint32(wq),
-                s,
+                sc,
                 b,
             )
         else:
             out[k] = v
-    mlx = tmp_path / "mlx"
+    mlx = root / "mlx"
     mlx.mkdir()
-    cfg = {**hf.config.to_dict(), "quantization": {"group_size": 32, "bits": 4}}
+    cfg = {**w["hf"].config.to_dict(), "quantization": {"group_size": q.group_size, "bits": q.bits}}
     (mlx / "config.json").write_text(json.dumps(cfg))
     save_file(out, str(mlx / "model.safetensors"))
-    loaded = load_model(mlx)
+    return {**w, "mlx": mlx, "tensors": out}
+
+
+@pytest.mark.parametrize(
+    "q,family", [(Q, "qwen2"), (QuantSpec(8, 64), "llama"), (QuantSpec(4, 128), "llama")]
+)
+def test_mlx_quantized_dir_loads_bit_exact(tmp_path: Path, q: QuantSpec, family: str) -> None:
+    """Loaded without requantizing, an MLX directory equals our own quantization bit for bit
+    (4- and 8-bit; qwen2's tied embeddings, llama's untied quantized lm_head)."""
+    w = _write_mlx(
+        tmp_path, q, family, hidden_size=128, num_attention_heads=4, intermediate_size=256
+    )
+    loaded = load_model(w["mlx"])
+    assert (family == "llama") == ("lm_head.scales" in w["tensors"])
     assert loaded.fmt == "mlx"
-    q = loaded.model.layers[1].self_attn.k_proj
-    want = quantize(sd["model.layers.1.self_attn.k_proj.weight"], Q)[0]
-    assert q.quant == Q and torch.equal(q.weight, want)
-    ref = mesp_from_hf(hf, quant=Q)
+    k = loaded.model.layers[1].self_attn.k_proj
+    want = quantize(w["sd"]["model.layers.1.self_attn.k_proj.weight"], q)[0]
+    assert k.quant == q and torch.equal(k.weight, want)
+    ref = mesp_from_hf(w["hf"], quant=q)
     with torch.no_grad():
         assert torch.equal(loaded.model(IDS), ref(IDS))
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("missing_biases", "is packed but model.layers.0.mlp.up_proj.biases is missing"),
+        ("bits_string", "bits and group_size must be integers"),
+        ("bits_3", "quantization bits must be 4 or 8"),
+        ("group_mismatch", "scales/biases have shapes .* at group size 64"),
+    ],
+)
+def test_bad_mlx_dirs(tmp_path: Path, case: str, match: str) -> None:
+    w = _write_mlx(tmp_path)
+    mlx, tensors = w["mlx"], dict(w["tensors"])
+    cfg = json.loads((mlx / "config.json").read_text())
+    if case == "missing_biases":
+        del tensors["model.layers.0.mlp.up_proj.biases"]
+        save_file(tensors, str(mlx / "model.safetensors"))
+    else:
+        quant = {"bits_string": {"bits": "four"}, "bits_3": {"bits": 3, "group_size": 32}}.get(
+            case, {"bits": 4, "group_size": 64}
+        )
+        (mlx / "config.json").write_text(json.dumps({**cfg, "quantization": quant}))
+    with pytest.raises(MespError, match=match) as e:
+        load_model(mlx)
+    assert "\n" not in str(e.value) and str(mlx) in str(e.value)
 
 
 def test_mlx_layout_matches_mlx_itself(tmp_path: Path) -> None:

@@ -92,3 +92,19 @@ def test_bad_lora_config() -> None:
         LoraConfig(rank=0)
     with pytest.raises(MespError, match="target"):
         LoraConfig(targets=("qq_proj",))
+
+
+@pytest.mark.parametrize(
+    "conf,match",
+    [('{"lora_alpha": 16}', 'integer "r"'), ("[1, 2]", 'integer "r"'), ("{nope", "unreadable")],
+)
+def test_bad_adapter_config_is_one_line(tmp_path: Path, conf: str, match: str) -> None:
+    model = mesp_from_hf(hf_model("llama"))
+    cfg = LoraConfig(rank=2)
+    apply_lora(model, cfg)
+    save_adapter(model, tmp_path / "ad", cfg)
+    (tmp_path / "ad" / "adapter_config.json").write_text(conf)
+    fresh = mesp_from_hf(hf_model("llama"))
+    with pytest.raises(MespError, match=match) as e:
+        load_adapter(fresh, tmp_path / "ad")
+    assert "\n" not in str(e.value)

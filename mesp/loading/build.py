@@ -82,12 +82,23 @@ def build_model(
         mod = modules[mod_name]
         if name in packed:
             spec = src.quant or QuantSpec()
+            absent = [k for k in ("scales", "biases") if f"{mod_name}.{k}" not in names]
+            if absent:
+                raise MespError(
+                    f"{src.source}: {name} is packed but {mod_name}.{absent[0]} is missing"
+                )
             wq, s, b = (src.get(f"{mod_name}.{k}") for k in ("weight", "scales", "biases"))
             want = (shape[0], shape[1] * spec.bits // 32)
-            if tuple(wq.shape) != want or s.shape != (shape[0], shape[1] // spec.group_size):
+            want_s = (shape[0], shape[1] // spec.group_size)
+            if tuple(wq.shape) != want:
                 raise MespError(
-                    f"{src.source}: {name} has packed shape {tuple(wq.shape)}, "
-                    f"config expects {want}"
+                    f"{src.source}: {name} has packed shape {tuple(wq.shape)}, config expects "
+                    f"{want} at {spec.bits} bits"
+                )
+            if tuple(s.shape) != want_s or tuple(b.shape) != want_s:
+                raise MespError(
+                    f"{src.source}: {mod_name} scales/biases have shapes {tuple(s.shape)}/"
+                    f"{tuple(b.shape)}, config expects {want_s} at group size {spec.group_size}"
                 )
             mod.set_packed(_as_int32(wq), s.to(dtype), b.to(dtype), spec)
             continue
