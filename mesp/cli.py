@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         ModelOptions,
         (LoraConfig, ("scale", "alpha")),
     )
+    sub.choices["info"].add_argument(
+        "model_arg", nargs="?", metavar="MODEL", help="the model (same as --model)"
+    )
     command(
         "train",
         "fine-tune LoRA adapters",

@@ -61,6 +61,8 @@ def _check_seq_len(model, seq_len: int) -> None:  # type: ignore[no-untyped-def]
 def cmd_info(ns: argparse.Namespace) -> int:
     from mesp.info import model_info
 
+    if ns.model_arg:  # `mesp info MODEL`
+        ns.model = ns.model_arg
     opts = from_args(ModelOptions, ns)
     print(model_info(opts, rank=ns.rank, targets=ns.targets))
     return 0

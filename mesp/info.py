@@ -13,7 +13,7 @@ from mesp.session import ModelOptions, open_model
 
 
 def config_of(opts: ModelOptions) -> ModelConfig:
-    """The config alone where the format allows (no weights read)."""
+    """The config alone (no weights read): config.json, or a GGUF file's header."""
     from pathlib import Path
 
     from mesp.loading.zoo import random_shape, resolve
@@ -23,7 +23,30 @@ def config_of(opts: ModelOptions) -> ModelConfig:
     path = Path(resolve(opts.model) or opts.model)
     if path.is_dir():
         return ModelConfig.from_file(path / "config.json")
+    if path.is_file() and path.suffix == ".gguf":
+        from mesp.loading.gguf import GGUFFile
+
+        with GGUFFile(path) as g:
+            return ModelConfig.from_hf(g.config, source=str(path))
     return open_model(ModelOptions(model=str(path), quantize="none")).model.config
+
+
+def stored_quant(opts: ModelOptions) -> QuantSpec | None:
+    """The quantization an MLX directory is stored in (config.json "quantization"), if any."""
+    import json
+    from pathlib import Path
+
+    from mesp.loading.zoo import resolve
+
+    if opts.model.startswith("random:"):
+        return None
+    f = Path(resolve(opts.model) or opts.model) / "config.json"
+    if not f.is_file():
+        return None
+    q = json.loads(f.read_text()).get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        return QuantSpec(int(q["bits"]), int(q.get("group_size", 64)))
+    return None
 
 
 def weight_bytes(cfg: ModelConfig, quant: QuantSpec | None, dtype: torch.dtype) -> dict[str, int]:
@@ -52,11 +75,13 @@ def weight_bytes(cfg: ModelConfig, quant: QuantSpec | None, dtype: torch.dtype) 
 
 def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LORA_TARGETS) -> str:
     cfg = config_of(opts)
-    wb = weight_bytes(cfg, opts.quant or QuantSpec(), opts.torch_dtype)
+    stored = stored_quant(opts)
+    q = stored or opts.quant or QuantSpec()  # --quantize none: show what 4-bit would take
+    wb = weight_bytes(cfg, q, opts.torch_dtype)
     with torch.device("meta"):
         lora_n = lora_param_count(CausalLM(cfg, opts.torch_dtype), rank, targets)
     mb = 2**20
-    q = opts.quant or QuantSpec()
+    how = "as stored" if stored else "with --quantize" if opts.quant else "if quantized"
     lines = [
         f"model        {opts.model}",
         f"family       {cfg.family}",
@@ -75,7 +100,7 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
     lines += [
         f"parameters   {wb['params']:,}",
         f"weights      {wb['dense_bytes'] / mb:,.1f} MB in {opts.dtype}, "
-        f"{wb['quant_bytes'] / mb:,.1f} MB at {q.bits}-bit group {q.group_size}",
+        f"{wb['quant_bytes'] / mb:,.1f} MB at {q.bits}-bit group {q.group_size} ({how})",
         f"LoRA         {lora_n:,} parameters at rank {rank} on {','.join(targets)} "
         f"({lora_n * 4 / mb:.2f} MB fp32)",
     ]

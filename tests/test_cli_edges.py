@@ -172,3 +172,23 @@ def test_disk_full_during_a_real_save_is_one_line_and_keeps_the_old_adapter(
     assert last.startswith("mesp: error:") and "adapter_model.safetensors: could not save" in last
     assert (out / "adapter_model.safetensors").read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_info_counts_match_transformers_and_peft(
+    env: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    """`mesp info MODEL`: the parameter count is transformers' own, the LoRA count PEFT's."""
+    import peft
+    import transformers
+
+    assert main(["info", str(env["model"]), "--rank", "4", "--targets", "q_proj,v_proj"]) == 0
+    out = capsys.readouterr().out
+    fields = {line.split()[0]: line.split()[1] for line in out.splitlines()}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(env["model"]))
+    assert int(fields["parameters"].replace(",", "")) == hf.num_parameters()
+    lora = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8)
+    )
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert int(fields["LoRA"].replace(",", "")) == trainable
+    assert "(with --quantize)" in out and "4-bit group 64" in out
