@@ -1,4 +1,4 @@
-"""`mesp info | train | eval | generate | grad | export | run-artifacts | plan | bench`: thin;
+"""`mesp info | train | eval | generate | merge | grad | export | run-artifacts | plan | bench`:
 flags are dataclass fields."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
         EvalOptions,
         GenerateOptions,
         GradOptions,
+        MergeOptions,
         RunOptions,
     )
     from mesp.data import DataConfig
@@ -63,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
         (DataConfig, ("seed", "valid_fraction")),
     )
     command("generate", "sample text (KV cache)", ModelOptions, GenerateOptions)
+    command(
+        "merge",
+        "fold an adapter into its base and write a model directory (HF, or MLX if quantized)",
+        ModelOptions,
+        MergeOptions,
+    )
+    sub.choices["merge"].set_defaults(quantize="none")  # the exact merged model by default
     command(
         "grad",
         "LoRA gradients of one batch, under PEFT key names",

@@ -142,3 +142,16 @@ class GradOptions:
     )
     batch_size: int = field(default=1, metadata={"help": "sequences in the batch"})
     seed: int = field(default=0, metadata={"help": "seed for the fresh adapter and data order"})
+
+
+@dataclass
+class MergeOptions:
+    adapter: str = field(default="", metadata={"help": "PEFT adapter directory", "required": True})
+    out: str = field(
+        default="",
+        metadata={
+            "help": "directory for the merged model (config.json, model.safetensors, "
+            "tokenizer); with --quantize 4|8 it is written in MLX's quantized layout",
+            "required": True,
+        },
+    )

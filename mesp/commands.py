@@ -326,6 +326,26 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(ns: argparse.Namespace) -> int:
+    from mesp.lora import check_output_dir, load_adapter
+    from mesp.merge import merge_into_base, write_model_dir
+
+    out = Path(ns.out)
+    src = Path(ns.model)
+    if src.is_dir() and out.resolve() == src.resolve():
+        raise MespError(f"{out}: is the base model's directory; give a new --out")
+    opts = from_args(ModelOptions, ns)
+    check_output_dir(out)
+    # the base is read at full precision; --quantize applies to the merged weights
+    loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype=opts.dtype))
+    cfg = load_adapter(loaded.model, Path(ns.adapter))
+    merge_into_base(loaded.model, opts.quant)
+    write_model_dir(loaded.model, loaded.tokenizer, out)
+    how = f"{opts.quantize}-bit (MLX layout)" if opts.quant else opts.dtype
+    print(f"mesp: merged rank-{cfg.rank} adapter {ns.adapter} into {loaded.source}; {how} in {out}")
+    return 0
+
+
 def cmd_grad(ns: argparse.Namespace) -> int:
     from mesp.data import DataConfig, load_splits, pad_id_of
     from mesp.data_batches import collate

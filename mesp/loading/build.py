@@ -32,7 +32,7 @@ class TensorSource:
         return self._get(name)
 
 
-def _expected(model: CausalLM) -> dict[str, tuple[int, ...]]:
+def expected_tensors(model: CausalLM) -> dict[str, tuple[int, ...]]:
     """HF names of every frozen tensor the model needs, with its dense shape."""
     out: dict[str, tuple[int, ...]] = {}
     for name, mod in model.named_modules():
@@ -54,7 +54,7 @@ def build_model(
     """Strict load: every expected tensor present with the config's shape, nothing unexplained."""
     with torch.device("meta"):
         model = CausalLM(cfg, dtype)
-    expected = _expected(model)
+    expected = expected_tensors(model)
     names = {n for n in src.names if not n.endswith(IGNORED_SUFFIXES)}
     packed = {n[: -len(".scales")] + ".weight" for n in names if n.endswith(".scales")}
     if cfg.tie_word_embeddings:

@@ -19,6 +19,9 @@ from mesp.quant import QuantSpec, dequantize, dequantize_gather, dequantize_rows
 log = logging.getLogger("mesp")
 
 
+_WARNED: set[tuple[int, int]] = set()
+
+
 class FrozenWeight(nn.Module):
     """A frozen (out, in) matrix stored dense or as MLX-layout packed words + scales + biases.
 
@@ -37,12 +40,13 @@ class FrozenWeight(nn.Module):
         """Store w (out, in); quantize it first when `quant` is given and the input size splits
         into whole groups (MLX's layout needs that; such a weight stays dense, with a warning)."""
         if quant is not None and w.shape[1] % quant.group_size:
-            log.warning(
-                "kept a %s weight dense: %d inputs are not a multiple of group size %d",
-                tuple(w.shape),
-                w.shape[1],
-                quant.group_size,
-            )
+            if (w.shape[1], quant.group_size) not in _WARNED:  # once per size, not per weight
+                _WARNED.add((w.shape[1], quant.group_size))
+                log.warning(
+                    "kept weights with %d inputs dense: not a multiple of group size %d",
+                    w.shape[1],
+                    quant.group_size,
+                )
             quant = None
         if quant is None:
             self.quant, self.scales, self.biases = None, None, None

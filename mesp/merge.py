@@ -1,0 +1,104 @@
+"""`mesp merge`: fold an adapter into its base and write a model directory that mesp,
+transformers and (when quantized) MLX load: config.json + model.safetensors + tokenizer.
+
+Unquantized, the directory is an HF checkpoint in --dtype. With --quantize 4|8 the merged
+weights are requantized (MLX layout: uint32 words, scales, biases, "quantization" in
+config.json), the form mlx-community publishes; mesp loads it back bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mesp.atomic_io import atomic_write
+from mesp.loading.build import expected_tensors
+from mesp.models.linear import FrozenWeight
+from mesp.models.transformer import CausalLM
+from mesp.quant import QuantSpec
+from mesp.tokenizer import Tokenizer
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+@torch.no_grad()
+def merge_into_base(model: CausalLM, quant: QuantSpec | None) -> None:
+    """Fold s·BA into each adapted weight in float32, drop the adapters, then store every
+    frozen weight at `quant` (None: dense in the model's dtype, the exact merged model)."""
+    for mod in model.lora_modules().values():
+        w = mod.dense(torch.float32) + mod.lora_scale * (mod.lora_B.float() @ mod.lora_A.float())
+        mod.set_dense(w.to(model.dtype), None)
+        mod.remove_lora()
+    for mod in model.modules():
+        if isinstance(mod, FrozenWeight) and (quant is not None or mod.quant is not None):
+            mod.set_dense(mod.dense(), quant)
+
+
+def model_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The frozen tensors under their HF names: the inverse of loading.build.build_model."""
+    modules = dict(model.named_modules())
+    out: dict[str, torch.Tensor] = {}
+    for name in expected_tensors(model):
+        mod_name, attr = name.rsplit(".", 1)
+        mod = modules[mod_name]
+        if isinstance(mod, FrozenWeight) and attr == "weight" and mod.quant is not None:
+            out[name] = mod.weight.view(torch.uint32)  # MLX stores the words as uint32
+            out[f"{mod_name}.scales"] = mod.scales
+            out[f"{mod_name}.biases"] = mod.biases
+        elif isinstance(mod, FrozenWeight) and attr == "weight":
+            out[name] = mod.dense()
+        else:
+            out[name] = getattr(mod, attr)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def write_model_dir(model: CausalLM, tok: Tokenizer | None, out: Path) -> None:
+    """config.json last, so a directory with a config always has its weights."""
+    tensors = model_tensors(model)
+    cfg = model.config.to_hf()
+    cfg["architectures"] = [ARCHITECTURES[model.config.family]]
+    cfg["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    qpas = cfg.get("query_pre_attn_scalar")
+    if isinstance(qpas, float) and qpas.is_integer():
+        cfg["query_pre_attn_scalar"] = int(qpas)  # transformers' Gemma3 config wants an int
+    quants = {m.quant for m in model.modules() if isinstance(m, FrozenWeight) and m.quant}
+    if quants:
+        q = next(iter(quants))
+        cfg["quantization"] = {"group_size": q.group_size, "bits": q.bits}
+    atomic_write(
+        out / "model.safetensors",
+        lambda p: save_file(tensors, p, metadata={"format": "pt"}),
+    )
+    if tok is not None:
+        write_tokenizer(tok, out)
+    atomic_write(out / "config.json", lambda p: Path(p).write_text(json.dumps(cfg, indent=2)))
+
+
+def write_tokenizer(tok: Tokenizer, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json (specials, add_bos_token, chat template): what
+    Tokenizer.from_dir and transformers read, whatever format the tokenizer came from."""
+
+    def name(i: int | None) -> str | None:
+        return None if i is None else tok.backend.id_to_token(i)
+
+    conf = {
+        "bos_token": name(tok.bos_id),
+        "eos_token": name(tok.eos_id),
+        "pad_token": name(tok.pad_id),
+        "add_bos_token": tok.add_bos,
+        "chat_template": tok.chat_template,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    conf = {k: v for k, v in conf.items() if v is not None}
+    atomic_write(out / "tokenizer.json", lambda p: tok.backend.save(p))
+    atomic_write(
+        out / "tokenizer_config.json", lambda p: Path(p).write_text(json.dumps(conf, indent=2))
+    )
