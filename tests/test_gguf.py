@@ -36,8 +36,8 @@ LEAVES = {
     "attn_k.weight": ("self_attn.k_proj.weight", QT.Q4_0),
     "attn_v.weight": ("self_attn.v_proj.weight", QT.F16),
     "attn_output.weight": ("self_attn.o_proj.weight", QT.BF16),
-    "ffn_gate.weight": ("mlp.gate_proj.weight", QT.Q8_0),
-    "ffn_up.weight": ("mlp.up_proj.weight", QT.F32),
+    "ffn_gate.weight": ("mlp.gate_proj.weight", QT.Q5_0),
+    "ffn_up.weight": ("mlp.up_proj.weight", QT.Q5_1),
     "ffn_down.weight": ("mlp.down_proj.weight", QT.Q4_0),
     "ffn_norm.weight": ("post_attention_layernorm.weight", QT.F32),
 }
