@@ -1,4 +1,4 @@
-"""`mesp bench {table1,table2,table3,table5,quick}`: thin glue from flags to mesp.bench.
+"""`mesp bench {table1,...,ladder,softmax,dequant}`: thin glue from flags to the benchmarks.
 
 `quick` is table 1 on a tiny 2-layer shape (about a minute; what the tests run); `--quick`
 does the same for any table. Rows accumulate under --out, so tables can be run piece by piece
@@ -14,7 +14,17 @@ from typing import Any
 
 from mesp.errors import MespError
 
-TABLE_CHOICES = ("table1", "table2", "table3", "table5", "offload", "quick", "ladder", "softmax")
+TABLE_CHOICES = (
+    "table1",
+    "table2",
+    "table3",
+    "table5",
+    "offload",
+    "quick",
+    "ladder",
+    "softmax",
+    "dequant",
+)
 DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -173,10 +183,30 @@ def run_softmax(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_dequant(ns: argparse.Namespace) -> int:
+    from mesp.bench_dequant import line, run_dequant
+    from mesp.bench_report import write_report
+
+    if ns.steps < 1 or ns.warmup < 0:
+        raise MespError("--steps must be >= 1 and --warmup >= 0")
+    parts = ["mesp", "bench", "dequant", "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    if ns.threads:
+        parts += ["--threads", str(ns.threads)]
+    parts += ["--out", str(ns.out)] + (["--markdown", str(ns.markdown)] if ns.markdown else [])
+    if not ns.report_only:
+        for row in run_dequant(ns.out, ns.steps, ns.warmup, ns.threads, shlex.join(parts)):
+            print(line(row))
+    if ns.markdown is not None:
+        print(f"wrote {write_report(ns.out, ns.markdown)}")
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
     from mesp.bench import BenchOptions, run_table, summary
     from mesp.bench_report import write_report
 
+    if ns.table == "dequant":
+        return run_dequant(ns)
     if ns.table == "softmax":
         return run_softmax(ns)
     if ns.table == "ladder":

@@ -56,3 +56,16 @@ def test_report_and_plots(quick_run: tuple[Path, Path, list[dict]]) -> None:
     assert "Table 1" in text and "timeline.png" in text and "mesp bench quick" in text
     row = json.loads(next((out / "rows" / "table1").glob("mesp_*.json")).read_text())
     assert row["peak_composition"][0]["bytes"] > 0
+
+
+def test_bench_dequant_rows_and_report(tmp_path: Path) -> None:
+    """The dequant table: one row per (dtype, shape, tokens) with both timings, and a report
+    section that names the command."""
+    from mesp import bench_dequant
+
+    c = bench_dequant.DequantConfig("bfloat16", 64, 128, 4, threads=1)
+    row = {**bench_dequant.measure(c, steps=2, warmup=1), "command": "mesp bench dequant"}
+    assert row["dequant_ms"] > 0 and row["matmul_ms"] > 0
+    assert row["ratio"] == row["dequant_ms"] / row["matmul_ms"]
+    text = "\n".join(bench_dequant.section([row]))
+    assert "mesp bench dequant" in text and "| bfloat16 | 64x128 | 4 |" in text
