@@ -36,6 +36,10 @@ Peak = the largest of these moments, each the state then live plus its working s
   mezo                         T·D·e + the block forward, or hn + rows + the CE chunk without a
                                gradient; perturbing adds one z, the largest adapter tensor
 
+`predict` splits the peak into weights, adapter, optimizer, the gradients live then,
+checkpoints, logits (the loss head's term above, when the peak is the cross-entropy moment) and
+working (everything else: activations, temporaries, RoPE tables); they sum to `total`.
+
 `analytic_floor` is what any exact block-wise gradient must hold beside the weights: LoRA
 parameters and gradients + checkpoints + the largest single-block working set + one CE chunk.
 `tests/test_memory_model.py` checks `predict` against `mesp.memory_tracker` on real steps.
@@ -351,17 +355,21 @@ def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[s
     state = weights + adapter + opt + s.tables
     g1 = 0 if zo else block_adapter_bytes(s)  # grads alive while the last block runs backward
     phases: dict[str, int] = {}
+    # the loss head's own working bytes (logits rows or chunks, fp32 log-softmax, the trained
+    # rows and their gradient, the dequantized head), part of the cross-entropy moment
+    ce = chunked_ce_peak(s, grad=not zo) if engine in ("mesp", "mezo") else full_ce_peak(s)
+    head = {"cross-entropy": ce}
     if zo:
         io = s.lin_in_out()
         z = max((s.r * max(io[t]) * e for t in s.targets), default=0)
         phases["perturb"] = state - s.tables + z
         phases["block forward"] = state + T * D * e + block_forward_peak(s, tape=False)
         # the RoPE tables belong to model.hidden and are gone before the loss
-        phases["cross-entropy"] = state - s.tables + T * D * e + chunked_ce_peak(s, grad=False)
+        phases["cross-entropy"] = state - s.tables + T * D * e + ce
         saved = 0
     elif engine == "mesp":
         phases["forward"] = state + ckpt + block_forward_peak(s, tape=False)
-        phases["cross-entropy"] = state + ckpt + 2 * T * D * e + chunked_ce_peak(s, grad=True)
+        phases["cross-entropy"] = state + ckpt + 2 * T * D * e + ce
         phases["block backward"] = state + g1 + ckpt + T * D * e + mesp_block_backward_peak(s)
         saved = tape_bytes(s)
     elif engine == "mebp":
@@ -370,19 +378,20 @@ def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[s
         # in fp32 the first norm's saved input is the checkpoint itself
         saved = autograd_saved_block(s, grad_input=L > 1) - (e >= s.f) * T * D * s.f * (L > 1)
         phases["forward"] = state + ckpt + block_forward_peak(s, tape=False)
-        phases["cross-entropy"] = state + ckpt + head_saved + full_ce_peak(s)
+        phases["cross-entropy"] = state + ckpt + head_saved + ce
         phases["block backward"] = (
             state + g1 + ckpt + 2 * T * D * e + saved + autograd_block_backward_extra(s)
         )
     else:
         saved = sum(autograd_saved_block(s, grad_input=i > 0) for i in range(L))
         saved += T * D * s.f + T * 4  # the final norm's input and 1/rms
-        phases["cross-entropy"] = state + saved + full_ce_peak(s)
+        phases["cross-entropy"] = state + saved + ce
         phases["block backward"] = state + g1 + saved + T * D * e + autograd_block_backward_extra(s)
     if not zo:  # all gradients, the state and one tensor's update temporaries
         phases["optimizer"] = state + grads + (adapter // L if opt else 0)
     peak = max(phases, key=lambda k: phases[k])
     live = {"block backward": g1, "optimizer": grads}.get(peak, 0)
+    logits = head.get(peak, 0)
     return {
         "engine": engine,
         "weights": weights,
@@ -392,8 +401,11 @@ def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[s
         "checkpoints": ckpt,
         "saved": saved,  # bp: every block's autograd activations; mebp, mesp: one block's
         "grads_at_peak": live,
+        # the loss head's working bytes at the peak (0 when the peak is outside the loss)
+        "logits": logits,
+        "loss_head": ce,  # the same bytes at the cross-entropy moment, peak or not
         # everything else live at the peak: activations, temporaries, RoPE tables
-        "working": phases[peak] - weights - adapter - opt - ckpt - live,
+        "working": phases[peak] - weights - adapter - opt - ckpt - live - logits,
         "total": phases[peak],
         "peak_at": peak,
         **{f"phase:{k}": v for k, v in phases.items()},
@@ -424,70 +436,8 @@ def analytic_floor(
 
 # ---- the planner: which model, which sequence length, fits a budget --------------------------
 
-# Published config.json shapes beyond mesp.loading.zoo.SHAPES, so each family has a ladder.
-_QWEN25_BIG = dict(
-    model_type="qwen2",
-    rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=32768,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    hidden_size=5120,
-)
-_QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, rope_theta=1_000_000.0)
-EXTRA_SHAPES: dict[str, dict] = {
-    "qwen2.5-14b": dict(_QWEN25_BIG, intermediate_size=13824, num_hidden_layers=48),
-    "qwen2.5-32b": dict(_QWEN25_BIG, intermediate_size=27648, num_hidden_layers=64),
-    "qwen3-1.7b": dict(
-        _QWEN3,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-4b": dict(
-        _QWEN3,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-8b": dict(
-        _QWEN3,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "llama-3.1-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        max_position_embeddings=131072,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-}
-FAMILY_SIZES: dict[str, list[str]] = {  # smallest first
+# Each family's ladder of published sizes (names in mesp.loading.zoo.SHAPES), smallest first.
+FAMILY_SIZES: dict[str, list[str]] = {
     "qwen2": [
         "qwen2.5-0.5b",
         "qwen2.5-1.5b",
@@ -496,23 +446,24 @@ FAMILY_SIZES: dict[str, list[str]] = {  # smallest first
         "qwen2.5-14b",
         "qwen2.5-32b",
     ],
-    "qwen3": ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"],
-    "llama": ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"],
-    "gemma3": ["gemma3-270m"],
+    "qwen3": ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"],
+    "llama": [  # SmolLM2 is a Llama
+        "smollm2-135m",
+        "smollm2-360m",
+        "llama-3.2-1b",
+        "smollm2-1.7b",
+        "llama-3.2-3b",
+        "llama-3.1-8b",
+    ],
+    "gemma3": ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b"],
 }
 
 
 def shape_config(name: str) -> ModelConfig:
-    """A named published shape: mesp.loading.zoo.SHAPES or EXTRA_SHAPES."""
-    from mesp.loading.zoo import SHAPES, random_shape
+    """A named published shape (mesp.loading.zoo.SHAPES), with or without `random:`."""
+    from mesp.loading.zoo import random_shape
 
-    key = name.removeprefix("random:")
-    if key in EXTRA_SHAPES:
-        return ModelConfig.from_hf(EXTRA_SHAPES[key], source=name)
-    if key in SHAPES:
-        return random_shape(key)
-    known = ", ".join([*SHAPES, *EXTRA_SHAPES])
-    raise MespError(f"unknown model shape {key!r}; known: {known}")
+    return random_shape(name)
 
 
 @dataclass(frozen=True)
@@ -621,8 +572,17 @@ def format_plan(p: dict) -> str:
         f"budget {p['budget'] / mib:,.0f} MiB · {p['model']} · seq {p['seq_len']} × batch "
         f"{p['batch']} · rank {p['rank']} · {p['quant']} base · {p['dtype']} · {p['optimizer']}"
     )
-    cols = ("weights", "adapter", "optimizer", "grads_at_peak", "checkpoints", "working", "total")
-    names = ("weights", "adapter", "optim", "grads", "ckpts", "activ", "peak")
+    cols = (
+        "weights",
+        "adapter",
+        "optimizer",
+        "grads_at_peak",
+        "checkpoints",
+        "working",
+        "logits",
+        "total",
+    )
+    names = ("weights", "adapter", "optim", "grads", "ckpts", "activ", "logits", "peak")
     lines = [
         head,
         f"{'engine':6s} "
@@ -637,6 +597,7 @@ def format_plan(p: dict) -> str:
         )
     lines.append(
         "MiB of tensors at each engine's peak moment (grads: those live then; activ: activations"
-        " and temporaries); the Python and torch runtime add their own"
+        " and temporaries; logits: the loss head's logits, log-softmax and rows, 0 when the peak"
+        " is elsewhere); the Python and torch runtime add their own"
     )
     return "\n".join(lines)

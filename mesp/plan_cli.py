@@ -40,12 +40,11 @@ def model_config(model: str) -> tuple[ModelConfig, str]:
     """--model as a named shape (qwen2.5-0.5b, random:…), a config.json, or anything
     `mesp info` reads (model dir, .gguf, wheel name)."""
     from mesp.info import config_of
-    from mesp.loading.zoo import SHAPES
-    from mesp.memory_model import EXTRA_SHAPES, shape_config
+    from mesp.loading.zoo import SHAPES, random_shape
 
     name = model.removeprefix("random:")
-    if name in SHAPES or name in EXTRA_SHAPES:
-        return shape_config(name), name
+    if name in SHAPES:
+        return random_shape(name), name
     p = Path(model)
     if p.is_file() and p.suffix == ".json":
         return ModelConfig.from_file(p), p.parent.name or str(p)

@@ -10,9 +10,12 @@ from mesp.config import ModelConfig
 from mesp.data_batches import Batch
 from mesp.engines import make_engine
 from mesp.errors import MespError
+from mesp.info import weight_bytes
 from mesp.loading import random_model
+from mesp.loading.zoo import SHAPES
 from mesp.lora import LoraConfig, apply_lora
 from mesp.memory_model import (
+    ENGINES,
     FAMILY_SIZES,
     Run,
     analytic_floor,
@@ -91,6 +94,8 @@ def check(
     opt = kw.get("optimizer", "adamw")
     p = predict(cfg, engine, seq, kw.get("batch", 2), 8, quant=quant, dtype=dtype, optimizer=opt)  # type: ignore[arg-type]
     assert p["weights"] == got["weights"]  # weights are counted, not modelled
+    parts = ("weights", "adapter", "optimizer", "grads_at_peak", "checkpoints", "working", "logits")
+    assert sum(int(p[k]) for k in parts) == p["total"]  # the table's columns add up
     # the whole peak, and the part the model really predicts (all but the weights)
     assert abs(p["total"] / got["total"] - 1) <= 0.10, (p, got)
     over, got_over = p["total"] - got["weights"], got["total"] - got["weights"]
@@ -200,3 +205,69 @@ def test_predicted_peak_with_the_tiled_mlp(engine: str, family: str) -> None:
     """Batch 2 × 640 tokens > MLP.tile: no-grad passes run the MLP in tiles (and mesp's hand
     backward recomputes gate/up per tile); the model follows."""
     check(family, engine, 640, Q4, optimizer="sgd")
+
+
+# Published parameter counts: the model cards' figures (Qwen2.5, Qwen3: "Number of
+# Parameters"; SmolLM2, Llama 3.x, Gemma 3 270M/1B: the size in the name or card). Gemma 3
+# 4B/12B/27B are image-text models; their published 4.3B/12.2B/27.4B include the 417M SigLIP
+# vision encoder (Gemma 3 technical report, table 1), which a text-only config does not have.
+VISION = 0.417e9
+PUBLISHED = {
+    "qwen2.5-0.5b": 0.49e9,
+    "qwen2.5-1.5b": 1.54e9,
+    "qwen2.5-3b": 3.09e9,
+    "qwen2.5-7b": 7.61e9,
+    "qwen2.5-14b": 14.7e9,
+    "qwen2.5-32b": 32.5e9,
+    "qwen3-0.6b": 0.6e9,
+    "qwen3-1.7b": 1.7e9,
+    "qwen3-4b": 4.0e9,
+    "qwen3-8b": 8.2e9,
+    "qwen3-14b": 14.8e9,
+    "qwen3-32b": 32.8e9,
+    "smollm2-135m": 135e6,
+    "smollm2-360m": 360e6,
+    "smollm2-1.7b": 1.7e9,
+    "llama-3.2-1b": 1.24e9,
+    "llama-3.2-3b": 3.21e9,
+    "llama-3.1-8b": 8.03e9,
+    "gemma3-270m": 270e6,
+    "gemma3-1b": 1.0e9,
+    "gemma3-4b": 4.3e9 - VISION,
+    "gemma3-12b": 12.2e9 - VISION,
+    "gemma3-27b": 27.4e9 - VISION,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shape_parameter_counts_match_the_published_sizes(name: str) -> None:
+    """Each named shape builds (on the meta device) to within 2% of its published size: the
+    same count `mesp info random:NAME` prints."""
+    params = weight_bytes(shape_config(name), None, torch.float32)["params"]
+    assert abs(params / PUBLISHED[name] - 1) <= 0.02, (name, params)
+
+
+def test_every_shape_is_published_and_on_a_ladder() -> None:
+    ladders = {n for names in FAMILY_SIZES.values() for n in names}
+    assert ladders == set(SHAPES) == set(PUBLISHED)
+    for family, names in FAMILY_SIZES.items():  # smallest first, all of that family
+        cfgs = [shape_config(n) for n in names]
+        assert {c.family for c in cfgs} == {family}
+        counts = [weight_bytes(c, None, torch.float32)["params"] for c in cfgs]
+        assert counts == sorted(counts), family
+
+
+def test_logits_are_the_loss_heads_part_of_the_peak() -> None:
+    """bp and mebp peak in the full-vocabulary cross-entropy: their logits column is the (T, V)
+    fp32 log-softmax and its gradients, most of the peak; mesp peaks in a block backward, with no
+    logits alive. Every engine's columns add up to its peak."""
+    cfg = shape_config("qwen2.5-0.5b")
+    t, v = 256, cfg.vocab_size
+    for eng in ENGINES:
+        p = predict(cfg, eng, t, 1, quant=Q4, optimizer="sgd")
+        parts = ("weights", "adapter", "optimizer", "grads_at_peak", "checkpoints", "working")
+        assert sum(int(p[k]) for k in parts) + int(p["logits"]) == p["total"]
+        assert p["logits"] == (p["loss_head"] if p["peak_at"] == "cross-entropy" else 0)
+        if eng in ("bp", "mebp"):
+            assert p["peak_at"] == "cross-entropy" and int(p["logits"]) >= 3 * t * v * 4
+    assert predict(cfg, "mesp", t, 1, quant=Q4, optimizer="sgd")["logits"] == 0

