@@ -1,14 +1,16 @@
 """Resumable training state in one atomically written safetensors file (tensors + JSON only).
 
-Tensors: the LoRA parameters, the optimizer state, torch's RNG state. JSON (in the file's
-metadata): the completed step, the data stream position, the loss history, engine state, and a
-fingerprint of everything that must not change across a resume (model, data, LoRA, engine,
-optimizer), so resuming another run's directory is refused instead of silently mixing runs.
+Tensors: the LoRA parameters, the optimizer state, torch's CPU and CUDA RNG states. JSON (in the
+file's metadata): the states of Python's `random` and numpy's global RNG, the completed step, the
+data stream position, the loss history, engine state, and a fingerprint of everything that must
+not change across a resume (model, data, LoRA, engine, optimizer), so resuming another run's
+directory is refused instead of silently mixing runs.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,12 +36,62 @@ class TrainState:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] = field(default_factory=list)
+    rng: dict[str, Any] = field(default_factory=dict)
+
+
+def rng_json() -> dict[str, Any]:
+    """Python's `random` and numpy's global RNG state as JSON values (no pickle): both are
+    Mersenne Twisters, a version/name, 624 words and a position, and a cached gaussian."""
+    import numpy as np
+
+    version, words, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "python": {"version": version, "state": list(words), "gauss_next": gauss_next},
+        "numpy": {
+            "name": name,
+            "keys": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+
+
+def set_rng_json(rng: dict[str, Any]) -> None:
+    import numpy as np
+
+    if "python" in rng:
+        py = rng["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    if "numpy" in rng:
+        n = rng["numpy"]
+        keys = np.array(n["keys"], dtype=np.uint32)
+        np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+
+
+def cuda_rng_tensors() -> dict[str, torch.Tensor]:
+    """One state per CUDA device, if this process has used CUDA (asking otherwise would
+    initialize it: a context on every GPU for a CPU run, and nothing drawn to restore)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+
+
+def set_cuda_rng(tensors: dict[str, torch.Tensor]) -> None:
+    states = [tensors[k] for k in sorted(tensors, key=lambda k: int(k.rsplit(".", 1)[1]))]
+    if not states or not torch.cuda.is_available():
+        return  # a CUDA run resumed without CUDA: the CPU has no CUDA generator to set
+    n = min(len(states), torch.cuda.device_count())
+    for i in range(n):
+        torch.cuda.set_rng_state(states[i], i)
 
 
 def capture(
     model: CausalLM, opt: torch.optim.Optimizer, state: TrainState
 ) -> dict[str, torch.Tensor]:
-    """Tensors of the current training state: adapters, optimizer slots, RNG."""
+    """Tensors of the current training state: adapters, optimizer slots, torch RNG; the other
+    RNG states go to `state.rng` (JSON)."""
     out = {
         f"lora.{n}": p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad
     }
@@ -49,6 +101,8 @@ def capture(
             t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
             out[f"opt.{idx}.{k}"] = t.detach().contiguous()
     out["rng.torch"] = torch.get_rng_state()
+    out.update(cuda_rng_tensors())
+    state.rng = rng_json()
     state.param_groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
     return out
 
@@ -57,7 +111,7 @@ def save_state(path: Path, model: CausalLM, opt: torch.optim.Optimizer, st: Trai
     tensors = capture(model, opt, st)
     meta = {
         k: getattr(st, k)
-        for k in ("step", "stream", "losses", "valid", "fingerprint", "param_groups")
+        for k in ("step", "stream", "losses", "valid", "fingerprint", "param_groups", "rng")
     }
     # engine state (e.g. mezo's seed stream): tensors go to the file body, the rest to JSON
     meta["engine"] = {k: v for k, v in st.engine.items() if not isinstance(v, torch.Tensor)}
@@ -106,3 +160,5 @@ def restore(model: CausalLM, opt: torch.optim.Optimizer, st: TrainState) -> None
             slots.setdefault(int(idx), {})[name] = t.clone()
     opt.load_state_dict({"state": slots, "param_groups": st.param_groups})
     torch.set_rng_state(st.tensors["rng.torch"])
+    set_cuda_rng({k: t for k, t in st.tensors.items() if k.startswith("rng.cuda.")})
+    set_rng_json(st.rng)

@@ -1,8 +1,12 @@
 """Crash safety: SIGKILL at random steps + --resume gives the bit-identical adapter of an
-uninterrupted run; SIGTERM/SIGINT finish the step, save and exit 143/130."""
+uninterrupted run; SIGTERM/SIGINT finish the step, save and exit 143/130.
+
+The SIGKILL runs save every SAVE_EVERY steps and are killed between save points, so each resume
+goes back to the last save and replays the steps the killed process had done but not saved."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -16,6 +20,7 @@ import pytest
 from tests.tiny_dir import make_jsonl, make_model_dir
 
 STEPS = 10
+SAVE_EVERY = 3
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +29,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_model_dir(root / "m", "llama"), make_jsonl(root / "d.jsonl", 24)
 
 
-def _argv(model: Path, data: Path, out: Path, engine: str) -> list[str]:
+def _argv(model: Path, data: Path, out: Path, engine: str, save_every: int = 1) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -45,7 +50,7 @@ def _argv(model: Path, data: Path, out: Path, engine: str) -> list[str]:
         "--steps",
         str(STEPS),
         "--save-every",
-        "1",
+        str(save_every),
         "--eval-every",
         "4",
         "--eval-batches",
@@ -61,36 +66,65 @@ def _argv(model: Path, data: Path, out: Path, engine: str) -> list[str]:
 
 
 def _steps_done(out: Path) -> int:
+    """The last trained step in the log (0 if none yet)."""
     log = out / "log.jsonl"
-    return log.read_text().count('"loss"') if log.exists() else 0
+    lines = log.read_bytes().decode(errors="replace").splitlines() if log.exists() else []
+    last = 0
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a row caught half written
+            continue
+        if "loss" in row:
+            last = row["step"]
+    return last
 
 
-def _run_until(argv: list[str], out: Path, kill_at: int, sig: int) -> int:
-    """Start training, send `sig` once `kill_at` steps are logged; return the exit code."""
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while p.poll() is None and _steps_done(out) < kill_at and time.time() < deadline:
-        time.sleep(0.05)
-    if p.poll() is None:
-        p.send_signal(sig)
-    p.wait(timeout=300)
-    return p.returncode
+def _saved_step(out: Path) -> int:
+    from mesp.checkpoint import load_state
+
+    return load_state(out).step
+
+
+# `mesp train` that SIGKILLs itself as step MESP_TEST_KILL_AFTER + 1 begins (the trainer asks
+# for its learning rate with the number of steps done): a kill at an exact step, so the test
+# knows which steps were done but not saved, with nothing after the kill able to run.
+KILL_AFTER = """
+import os, signal, sys
+import mesp.train
+k, lr_factor = int(os.environ["MESP_TEST_KILL_AFTER"]), mesp.train.lr_factor
+def at_step(done, *a, **kw):
+    if done == k:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return lr_factor(done, *a, **kw)
+mesp.train.lr_factor = at_step
+from mesp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["bp", "mebp", "mesp"])
+@pytest.mark.parametrize("engine", ["bp", "mebp", "mesp", "mezo"])
 def test_sigkill_resume_is_bit_identical(
     engine: str, setup: tuple[Path, Path], tmp_path: Path
 ) -> None:
     model, data = setup
     ref, out = tmp_path / "ref", tmp_path / "run"
-    assert subprocess.run(_argv(model, data, ref, engine), capture_output=True).returncode == 0
-    kills = sorted(random.Random(engine).sample(range(2, STEPS), 3))
+    r = subprocess.run(_argv(model, data, ref, engine, SAVE_EVERY), capture_output=True)
+    assert r.returncode == 0, r.stderr
+    # after the first save, never on a save step: each resume goes back to the last save and
+    # replays the steps the killed process had done since
+    between = [k for k in range(SAVE_EVERY + 1, STEPS) if k % SAVE_EVERY]
+    kills = sorted(random.Random(engine).sample(between, 3))
     for i, k in enumerate(kills):
-        argv = _argv(model, data, out, engine)
+        argv = [sys.executable, "-c", KILL_AFTER, *_argv(model, data, out, engine, SAVE_EVERY)[3:]]
         if i:
             argv += ["--resume", str(out)]
-        assert _run_until(argv, out, k, signal.SIGKILL) == -signal.SIGKILL
+        env = {**os.environ, "MESP_TEST_KILL_AFTER": str(k)}
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == -signal.SIGKILL, f"{engine}: run {i}: {r.returncode} {r.stderr}"
+        assert _steps_done(out) == k  # it trained step k ...
+        assert _saved_step(out) == k // SAVE_EVERY * SAVE_EVERY < k  # ... and did not save it
     r = subprocess.run(
         [sys.executable, "-m", "mesp.cli", "train", "--resume", str(out), "--no-progress"],
         capture_output=True,
@@ -141,4 +175,63 @@ def test_resume_of_another_run_is_refused(setup: tuple[Path, Path], tmp_path: Pa
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 2 and "cannot resume" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "cannot resume" in r.stderr, r.stderr
+    assert r.stderr.startswith("mesp: error:") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_every_rng_state_round_trips(tmp_path: Path) -> None:
+    """torch (CPU and, where used, CUDA), Python's `random` and numpy's global RNG: drawing
+    after a restore repeats what was drawn after the save, cached gaussians included."""
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    from mesp.checkpoint import STATE_FILE, TrainState, load_state, restore, save_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    random.gauss(0, 1)  # leaves a cached second gaussian in each generator
+    np.random.standard_normal()
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.init()
+        torch.rand(1, device="cuda")
+
+    def draw() -> list[float]:
+        out = [random.random(), random.gauss(0, 1), float(np.random.standard_normal())]
+        out += [float(np.random.rand()), float(torch.rand(1)), float(torch.randn(1))]
+        if use_cuda:
+            out += torch.rand(3, device="cuda").tolist()
+        return out
+
+    save_state(tmp_path, model, opt, TrainState(step=7))
+    first = draw()
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)  # reseeds CUDA too
+    assert draw() != first
+    st = load_state(tmp_path)
+    restore(model, opt, st)
+    assert draw() == first
+    with safe_open(str(tmp_path / STATE_FILE), framework="pt") as h:
+        meta = json.loads(h.metadata()["mesp_state"])
+        keys = set(h.keys())
+    assert set(meta["rng"]) == {"python", "numpy"}  # JSON, not pickle
+    assert "rng.torch" in keys and any(k.startswith("rng.cuda.") for k in keys) == use_cuda
+
+
+def test_state_without_python_numpy_rng_still_resumes(tmp_path: Path) -> None:
+    """A state file written before the JSON RNG states existed restores what it has."""
+    import torch
+
+    from mesp.checkpoint import TrainState, load_state, restore, save_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_state(tmp_path, model, opt, TrainState(step=1))
+    st = load_state(tmp_path)
+    st.rng = {}
+    restore(model, opt, st)
+    assert st.step == 1
