@@ -316,7 +316,20 @@ def _quant_of(model: CausalLM) -> dict[str, int] | None:
     return {"bits": q.bits, "group_size": q.group_size}
 
 
+def _check_no_constants(ep: Any, rel: str) -> None:
+    """Every tensor of a program must be an argument: a lifted constant or a parameter/buffer
+    would be a weight copy stored inside the .pt2 (and loaded beside the safetensors one)."""
+    baked = [*ep.state_dict, *ep.constants]
+    if baked:
+        raise MespError(f"{rel}: the program captured tensors as constants: {sorted(baked)[:3]}")
+
+
 def _save_program(ep: Any, rel: str, writer: _Writer, eid: str, pte: bool) -> dict[str, Any]:
+    """The .pt2 holds the graph (JSON) and no tensor: the example inputs torch.export keeps
+    (they include the frozen weights it was traced with) would be saved as a torch.save pickle,
+    data/sample_inputs/model.pt, and loaded back with torch.load; they are dropped first."""
+    _check_no_constants(ep, rel)
+    ep.example_inputs = None
     torch.export.save(ep, str(writer.path(rel)), extra_files={"export_id": eid})
     row: dict[str, Any] = {"pt2": rel}
     if pte:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from mesp.cli_args import add_dataclass_args, from_args
 from mesp.errors import MespError
@@ -24,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     add_dataclass_args(s, ModelOptions)
     add_dataclass_args(s, LoraConfig)
     add_dataclass_args(s, ExportOptions)
+    s.add_argument(
+        "--memory-report",
+        action="store_true",
+        help="then time one training step from the artifacts and one of the in-process mesp "
+        "engine on the same model and batch, and print each one's peak memory (exact tracker)",
+    )
 
     r = sub.add_parser(
         "run-artifacts", help="train LoRA from `mesp export` artifacts (no model code)"
@@ -56,5 +65,72 @@ def run(ns: argparse.Namespace) -> int:
     line = f"exported {ns.out}: {len(conf['blocks'])} blocks, {len(progs)} programs"
     if opts.pte:
         line += f", {sum('pte' in p for p in progs)} lowered to .pte"
-    print(f"{line}; export id {conf['export_id']}")
+    print(f"{line}; export id {conf['export_id']}", flush=True)
+    if ns.memory_report:
+        for row in memory_report(loaded.model, Path(ns.out), opts, ns.seed):
+            print(row, flush=True)
     return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:9.1f}"
+
+
+def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> list[str]:
+    """One warm training step each (a first step makes the gradients, as in training), measured by
+    the exact live-tensor tracker: the in-process mesp engine on `model`, then mesp.runner from
+    the artifacts in art_dir, on the same random batch (every token trained). Frozen weights are
+    the tensors read from the model or the artifact files; working is everything else the step
+    allocates (activations, checkpoints, temporaries, dequantized weights)."""
+    from mesp import runner
+    from mesp.data_batches import Example, collate
+    from mesp.engines import make_engine
+    from mesp.memory_tracker import LiveTensorTracker, adapter_tensors
+
+    B, S = opts.batch_size, opts.seq_len
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    rows = [
+        (torch.randint(0, vocab, (S + 1,), generator=g).tolist(), [1] * (S + 1)) for _ in range(B)
+    ]
+
+    batch = collate([Example(ids, mask) for ids, mask in rows])
+    eng = make_engine("mesp", vocab_chunk=opts.vocab_chunk)
+    eng.step(model, batch, batch.n_tokens)
+    ref = LiveTensorTracker()
+    ref.register(model.buffers(), "weights")
+    ref.register(adapter_tensors(model.lora_parameters()), "adapter")
+    with ref:
+        eng.step(model, batch, batch.n_tokens)
+    engine = ref.breakdown()
+    for p in model.lora_parameters():
+        p.grad = None
+
+    trk = LiveTensorTracker()
+    art = runner.Artifacts(art_dir, on_load=lambda w: trk.register(w.values(), "weights"))
+    trk.register([*art.embed_w.values(), *art.head_w.values()], "weights")
+    trainer = runner.Trainer(art, art._read(art.conf["lora"]["init"]))
+    ids, tgt, mask = runner.make_batch(rows, B, S)
+    trainer.step(ids, tgt, mask)
+    trk.register(adapter_tensors(trainer.parameters()), "adapter")
+    trk.reset_peak()
+    with trk:
+        trainer.step(ids, tgt, mask)
+    ran = trk.breakdown()
+    art.on_load = None
+
+    edge = sum(t.numel() * t.element_size() for w in (art.embed_w, art.head_w) for t in w.values())
+    block = art.peak_resident_bytes - edge
+    cols = ("weights", "adapter", "working", "total")
+    out = [
+        f"one warm training step, seq {S} x batch {B}: MiB of live tensors at each one's peak",
+        f"{'':16}" + "".join(f"{c:>9}" for c in cols),
+    ]
+    for name, d in (("in-process mesp", engine), ("mesp.runner", ran)):
+        out.append(f"{name:16}" + "".join(_mib(d[c]) for c in cols))
+    out.append(
+        f"runner frozen weights resident at most {art.peak_resident_bytes / 2**20:.1f} MiB "
+        f"(embedding/norm/head {edge / 2**20:.1f} + one block {block / 2**20:.1f}); "
+        f"working memory {ran['working'] / 2**20:.1f} vs engine {engine['working'] / 2**20:.1f} MiB"
+    )
+    return out

@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -111,6 +112,9 @@ class Artifacts:
 
     def _program(self, row: dict[str, Any]) -> Callable[..., Any]:
         p = self.root / row["pt2"]
+        why = pickled_member(p)
+        if why is not None:  # torch.export.load would hand it to torch.load
+            raise RunnerError(f"{p}: refused: {why} (programs carry no pickle and no tensor)")
         extra = {"export_id": ""}
         try:
             ep = torch.export.load(str(p), extra_files=extra)
@@ -162,6 +166,38 @@ class Artifacts:
         finally:
             self._count(w, -1)
             w.clear()
+
+
+def pickled_member(path: Path) -> str | None:
+    """Why a .pt2 archive could make torch.export.load unpickle something, or None. A mesp
+    program is its graph as JSON only: a member named *.pkl, a nested zip (a torch.save file,
+    such as the data/sample_inputs/model.pt torch.export writes for example inputs), a member
+    that opens with a pickle protocol header, or any stored weight or constant payload (those
+    may be pickled) is refused."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                name = info.filename
+                if name.endswith(".pkl"):
+                    return f"member {name} is a pickle"
+                if info.file_size == 0:
+                    continue
+                with z.open(info) as f:
+                    head = f.read(2)
+                if head == b"PK":
+                    return f"member {name} is a torch.save archive"
+                if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+                    return f"member {name} is a pickle"
+                parts = name.split("/")
+                if "data" in parts and ("weights" in parts or "constants" in parts):
+                    if not name.endswith("_config.json"):
+                        return f"member {name} stores a tensor"
+                    conf = json.loads(z.read(info))
+                    if conf.get("config"):
+                        return f"member {name} lists stored tensors"
+    except (OSError, zipfile.BadZipFile, ValueError, AttributeError) as e:
+        return f"not a readable .pt2 archive ({e})"
+    return None
 
 
 def _ordered(src: Tensors, names: list[str]) -> Tensors:
@@ -282,6 +318,7 @@ class Trainer:
             self.loss_w, h, rows, tgt.reshape(-1).index_select(0, rows), torch.tensor(float(n))
         )
         del h
+        loss_sum = float(loss.sum(dtype=torch.float64))  # row losses summed in fp64 (the engine's)
         for i in range(len(blocks) - 1, -1, -1):
             b, x = blocks[i], checkpoints.pop()
             with art.block(i) as w:
@@ -294,7 +331,7 @@ class Trainer:
             for k, t in grads.items():
                 self.lora[i][k].grad = t
             del x, grads
-        return float(loss) / n
+        return loss_sum / n
 
 
 @dataclass
