@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         LoraConfig,
         TrainConfig,
     )
+    # None = "not given": the engine decides (mesp.commands._engine_defaults)
+    sub.choices["train"].set_defaults(lr=None, schedule=None)
     command(
         "eval",
         "loss / perplexity on a data set (a file: all of it; a directory: its valid split)",

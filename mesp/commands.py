@@ -77,6 +77,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_torchrun(ns)
+    _engine_defaults(ns)
+    if ns.resume:
+        _warn_if_schedule_changes(ns)
+    if ns.device.startswith("cuda") and "LOCAL_RANK" in os.environ:
+        ns.device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per data-parallel rank
     opts = from_args(ModelOptions, ns)
     data_cfg = from_args(DataConfig, ns, seed=ns.seed)
     data_cfg.validate()
@@ -87,7 +92,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     check_output_dir(out)
     resume = load_state(out) if ns.resume else None
     budget = _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg)
-    dp = from_env(ns.dist_timeout)
+    dp = from_env(ns.dist_timeout, opts.device)
     main = dp is None or dp.is_main
     say = print if main else (lambda *a, **k: None)
     try:
@@ -109,17 +114,20 @@ def cmd_train(ns: argparse.Namespace) -> int:
         )
         base_f = out / "baseline.json"  # the untrained adapter's score, kept across resumes
         before: dict = {}
+        reuse = resume is not None and base_f.exists()
+        if splits["valid"] and not reuse:  # every rank scores its share
+            before = evaluate(
+                model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches, dp
+            )
         if main:
             run_args = {
                 k: v for k, v in vars(ns).items() if k not in ("cmd", "config", "resume", "argv")
             }
+            run_args["nproc"] = dp.world if dp is not None else 1  # a resume keeps the ranks
             atomic_write(out / "run_args.json", lambda p: Path(p).write_text(json.dumps(run_args)))
-            if resume is not None and base_f.exists():
+            if reuse:
                 before = json.loads(base_f.read_text())
-            elif splits["valid"]:
-                before = evaluate(
-                    model, splits["valid"], train_cfg.batch_size, pad, train_cfg.eval_batches
-                )
+            elif before:
                 atomic_write(base_f, lambda p: Path(p).write_text(json.dumps(before)))
         res = train(
             model,
@@ -161,6 +169,32 @@ def cmd_train(ns: argparse.Namespace) -> int:
         f"adapter in {out}"
     )
     return 0
+
+
+def _engine_defaults(ns: argparse.Namespace) -> None:
+    """Flags whose default depends on the engine (None = not given): mezo takes the MeZO
+    paper's lr 1e-4 and a constant schedule; the others 2e-4 with cosine decay."""
+    mezo = ns.engine == "mezo"
+    if ns.lr is None:
+        ns.lr = 1e-4 if mezo else 2e-4
+    if ns.schedule is None:
+        ns.schedule = "constant" if mezo else "cosine"
+
+
+def _warn_if_schedule_changes(ns: argparse.Namespace) -> None:
+    """--steps is not part of the fingerprint (a run may be extended), but a cosine schedule
+    stretches with it: say that the result will differ from an uninterrupted run."""
+    f = Path(ns.resume) / "run_args.json"
+    try:
+        old = json.loads(f.read_text()).get("steps")
+    except (OSError, json.JSONDecodeError):
+        return
+    if old is not None and old != ns.steps and ns.schedule == "cosine":
+        print(
+            f"mesp: warning: --steps {ns.steps} differs from the run's {old}: the cosine "
+            "schedule stretches, so the result differs from an uninterrupted run",
+            file=sys.stderr,
+        )
 
 
 def _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg) -> int | None:  # type: ignore[no-untyped-def]
@@ -388,7 +422,7 @@ def cmd_grad(ns: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     rows = load_splits(cfg, tok)["train"][: ns.batch_size]
-    batch = collate(rows, pad_id_of(tok))
+    batch = collate(rows, pad_id_of(tok)).to(next(model.buffers()).device)
     loss = engine.step(model, batch, batch.n_tokens)
     grads = {
         k: p.grad.contiguous()

@@ -86,13 +86,15 @@ class DataParallel:
         return self.rank == 0
 
 
-def from_env(timeout_s: float = 120.0) -> DataParallel | None:
+def from_env(timeout_s: float = 120.0, device: str = "cpu") -> DataParallel | None:
     """Join the process group torchrun describes (WORLD_SIZE > 1); None for a single process.
-    A finite timeout makes the survivors fail within `timeout_s` when a rank dies."""
+    The backend follows where the adapters live: NCCL for a model on CUDA (`--device cuda`,
+    one GPU per rank), gloo on the CPU. A finite timeout makes the survivors fail within
+    `timeout_s` when a rank dies."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

@@ -21,16 +21,17 @@ def generate(
     model.eval()
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(k=[None] * len(model.layers), v=[None] * len(model.layers))
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    dev = next(model.buffers()).device
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     logits = model(ids, cache=cache, start=0)[0, -1]
     out: list[int] = []
     pos = len(prompt_ids)
     for _ in range(max_tokens):
-        nxt = _sample(logits.float(), temperature, top_p, g)
+        nxt = _sample(logits.float().cpu(), temperature, top_p, g)
         if stop_ids and nxt in stop_ids:
             break
         out.append(nxt)
-        logits = model(torch.tensor([[nxt]]), cache=cache, start=pos)[0, -1]
+        logits = model(torch.tensor([[nxt]], device=dev), cache=cache, start=pos)[0, -1]
         pos += 1
     return out
 

@@ -32,6 +32,10 @@ class ModelOptions:
         default="float32",
         metadata={"help": "compute dtype", "choices": tuple(DTYPES)},
     )
+    device: str = field(
+        default="cpu",
+        metadata={"help": "cpu, cuda or cuda:N (data-parallel ranks each take cuda:LOCAL_RANK)"},
+    )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -42,13 +46,31 @@ class ModelOptions:
         return None if self.quantize == "none" else QuantSpec(int(self.quantize), self.group_size)
 
 
+def check_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise MespError(f"--device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise MespError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MespError(f"--device {device}: this torch sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise MespError(f"--device {device}: only {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
 def open_model(opts: ModelOptions, seed: int = 0) -> Loaded:
     if opts.dtype not in DTYPES:
         raise MespError(f"--dtype must be one of {', '.join(DTYPES)}")
+    dev = check_device(opts.device)
     if opts.model.startswith("random:"):
         cfg = random_shape(opts.model)
-        return Loaded(
-            random_model(cfg, opts.quant, opts.torch_dtype, seed), None, opts.model, "random"
-        )
-    path = resolve(opts.model) or opts.model
-    return load_model(path, opts.quant, opts.torch_dtype)
+        model = random_model(cfg, opts.quant, opts.torch_dtype, seed)
+        loaded = Loaded(model, None, opts.model, "random")
+    else:
+        loaded = load_model(resolve(opts.model) or opts.model, opts.quant, opts.torch_dtype)
+    if dev.type != "cpu":  # built on the host one tensor at a time, then moved whole
+        loaded.model.to(dev)
+    return loaded

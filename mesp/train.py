@@ -31,7 +31,9 @@ class TrainConfig:
     steps: int = field(default=200, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
+    lr: float = field(
+        default=2e-4, metadata={"help": "peak learning rate (mezo: 1e-4, the MeZO paper's)"}
+    )
     optimizer: str = field(
         default="adamw",
         metadata={"help": "adamw or sgd (the paper's)", "choices": ("adamw", "sgd")},
@@ -39,7 +41,8 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay"})
     warmup: int = field(default=10, metadata={"help": "linear warmup steps"})
     schedule: str = field(
-        default="cosine", metadata={"help": "after warmup", "choices": ("cosine", "constant")}
+        default="cosine",
+        metadata={"help": "after warmup (mezo: constant)", "choices": ("cosine", "constant")},
     )
     clip: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
     eval_every: int = field(default=50, metadata={"help": "validate every N steps (0 = end)"})
@@ -77,15 +80,30 @@ class TrainResult:
     seconds: float
 
 
+def model_device(model: CausalLM) -> torch.device:
+    return next(model.buffers()).device
+
+
 @torch.no_grad()
 def evaluate(
-    model: CausalLM, examples: list[Example], batch_size: int, pad_id: int, max_batches: int = 0
+    model: CausalLM,
+    examples: list[Example],
+    batch_size: int,
+    pad_id: int,
+    max_batches: int = 0,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
-    """Mean token loss and perplexity; the loss never forms full logits (chunked CE)."""
+    """Mean token loss and perplexity; the loss never forms full logits (chunked CE). With
+    `dp`, every rank scores its share of the batches and the sums are all-reduced (all ranks
+    must call it): no rank waits out the others' evaluation in a collective."""
     total, n = 0.0, 0
+    dev = model_device(model)
     for i, batch in enumerate(iter_eval_batches(examples, batch_size, pad_id=pad_id)):
         if max_batches and i >= max_batches:
             break
+        if dp is not None and i % dp.world != dp.rank:
+            continue
+        batch = batch.to(dev)
         loss, k = chunked_ce_loss(
             model.hidden(batch.input_ids),
             batch.targets,
@@ -97,6 +115,9 @@ def evaluate(
         )
         total += float(loss)
         n += k
+    if dp is not None:
+        total, n_sum = dp.sum_scalars([total, float(n)])
+        n = int(n_sum)
     if n == 0:
         raise MespError("validation set has no trained tokens")
     loss = total / n
@@ -127,8 +148,14 @@ def train(
     max_memory: int | None = None,
 ) -> TrainResult:
     """Train the model's adapters with `engine`; with `dp`, this process is one data-parallel
-    rank: it computes its slice of each global batch, and only rank 0 evaluates, logs and saves."""
-    from mesp.memory_rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes
+    rank: it computes its slice of each global batch, every rank scores its share of the
+    validation batches, and only rank 0 logs and saves.
+
+    `max_memory`: stop (saving first) when the frozen weights plus what training adds to the
+    process's peak RSS (or the CUDA peak) cross it. Measured from the RSS just before the first
+    step less the weights' bytes, with the high-water mark reset there: the interpreter, torch,
+    one-time imports and a loading spike are not the run's memory; the weights are."""
+    from mesp.memory_rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     params = model.lora_parameters()
     opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)
@@ -148,7 +175,12 @@ def train(
     bar = _progress(cfg, st.step) if main else None
     t_start = time.perf_counter()
     stop = _SignalFlag()
-    base_rss = current_rss_bytes()  # --max-memory covers what training adds to the process
+    weights = sum(t.numel() * t.element_size() for t in model.buffers())
+    base_rss = current_rss_bytes() - weights
+    if max_memory is not None:
+        reset_peak_rss()
+    dev = model_device(model)
+    updates_itself = getattr(engine, "updates_params", False)  # mezo: no gradient tensors
 
     def log(row: dict[str, Any]) -> None:
         if log_f is not None:
@@ -156,10 +188,12 @@ def train(
             log_f.flush()
 
     def validate(step: int) -> None:
-        if not main or not valid_examples:  # --valid-fraction 0 and no valid.jsonl
+        if not valid_examples:  # --valid-fraction 0 and no valid.jsonl
             return
         model.eval()
-        v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches)
+        v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches, dp)
+        if not main:
+            return
         st.valid.append({"step": step, **v})
         log({"step": step, "valid_loss": v["loss"], "valid_ppl": v["ppl"]})
 
@@ -185,72 +219,85 @@ def train(
                 keep_last_fraction(next(stream), cfg.loss_fraction) for _ in range(cfg.grad_accum)
             ]
             normalizer = sum(b.n_tokens for b in micro)
+            skipped = ""
             if normalizer == 0:  # e.g. every target masked: no loss to take, never a NaN
-                log({"step": step, "skipped": "no trained tokens in batch"})
-                st.step = step
-                continue
-            local = [dp.shard(b) for b in micro] if dp is not None else micro
-            loss_sum = sum(engine.step(model, b, normalizer) for b in local)
-            if dp is not None:
-                loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
-                stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)
-            loss = loss_sum / normalizer
-            finite = math.isfinite(loss) and all(
-                p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params
-            )
-            if not finite:
-                opt.zero_grad(set_to_none=True)
-                if not cfg.skip_nonfinite:
-                    if main:
-                        save_adapter(model, out_dir, lora, base_name)  # the last good adapter
-                    raise MespError(
-                        f"non-finite loss or gradient at step {step}; the last good adapter is "
-                        f"in {out_dir} (use --skip-nonfinite to skip such batches)"
-                    )
-                log({"step": step, "skipped": "non-finite loss or gradient"})
-                st.step = step
-                continue
-            if cfg.clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-            if not getattr(engine, "updates_params", False):
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            st.step = step
-            dt = time.perf_counter() - t0
-            tokens = sum(b.input_ids.numel() for b in micro)  # positions, padding included
-            row = {
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "tokens_per_s": tokens / dt,
-                "trained_tokens_per_s": normalizer / dt,
-                "step_s": dt,
-                "peak_rss_mb": peak_rss_bytes() / 2**20,
-            }
-            cuda_peak = cuda_peak_bytes()
-            if cuda_peak is not None:
-                row["cuda_peak_mb"] = cuda_peak / 2**20
-            st.losses.append(loss)
-            log(row)
-            if bar is not None:
-                bar.set_postfix(
-                    loss=f"{loss:.3f}",
-                    tok_s=f"{tokens / dt:.0f}",
-                    peak=f"{row['peak_rss_mb']:.0f}MB",
-                    refresh=False,
+                skipped = "no trained tokens in batch"
+            else:
+                local = [dp.shard(b) for b in micro] if dp is not None else micro
+                loss_sum = sum(engine.step(model, b.to(dev), normalizer) for b in local)
+                if dp is not None and updates_itself:  # mezo shared its scalars already
+                    loss_sum, any_stop = dp.sum_scalars([loss_sum, float(stop.signum)])
+                    stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)
+                elif dp is not None:
+                    loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
+                    stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)
+                loss = loss_sum / normalizer
+                finite = math.isfinite(loss) and all(
+                    p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params
                 )
-                bar.update(1)
+                if not finite:
+                    opt.zero_grad(set_to_none=True)
+                    if not cfg.skip_nonfinite:
+                        if main:
+                            save_adapter(model, out_dir, lora, base_name)  # the last good one
+                        raise MespError(
+                            f"non-finite loss or gradient at step {step}; the last good adapter "
+                            f"is in {out_dir} (use --skip-nonfinite to skip such batches)"
+                        )
+                    skipped = "non-finite loss or gradient"
+            if skipped:  # nothing learned; the save, signal and memory checks below still run
+                log({"step": step, "skipped": skipped})
+                st.step = step
+                if bar is not None:
+                    bar.update(1)
+            else:
+                if cfg.clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                if not updates_itself:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                st.step = step
+                dt = time.perf_counter() - t0
+                tokens = sum(b.input_ids.numel() for b in micro)  # positions, padding included
+                row = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "tokens_per_s": tokens / dt,
+                    "trained_tokens_per_s": normalizer / dt,
+                    "step_s": dt,
+                    "peak_rss_mb": peak_rss_bytes() / 2**20,
+                }
+                cuda_peak = cuda_peak_bytes()
+                if cuda_peak is not None:
+                    row["cuda_peak_mb"] = cuda_peak / 2**20
+                st.losses.append(loss)
+                log(row)
+                if bar is not None:
+                    bar.set_postfix(
+                        loss=f"{loss:.3f}",
+                        tok_s=f"{tokens / dt:.0f}",
+                        peak=f"{row['peak_rss_mb']:.0f}MB",
+                        refresh=False,
+                    )
+                    bar.update(1)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 validate(step)
             if (cfg.save_every and step % cfg.save_every == 0) or stop.signum:
                 checkpoint()
-            grown = peak_rss_bytes() - base_rss
-            if max_memory is not None and grown > max_memory:
-                checkpoint()
-                raise MespError(
-                    f"measured peak {grown / 2**20:.0f} MiB crossed --max-memory at step "
-                    f"{step}; adapter and state saved in {out_dir}"
-                )
+            if max_memory is not None:
+                grown = max(peak_rss_bytes() - base_rss, cuda_peak_bytes() or 0)
+                if dp is not None:  # the largest rank's peak: all stop at one step, rank 0 saves
+                    slots = [0.0] * dp.world
+                    slots[dp.rank] = float(grown)
+                    grown = int(max(dp.sum_scalars(slots)))
+                if grown > max_memory:
+                    checkpoint()
+                    raise MespError(
+                        f"measured peak {grown / 2**20:.0f} MiB crossed --max-memory "
+                        f"({max_memory / 2**20:.0f} MiB) at step {step}; adapter and state "
+                        f"saved in {out_dir}"
+                    )
             if stop.signum:
                 if bar is not None:
                     bar.close()

@@ -192,3 +192,52 @@ def test_info_counts_match_transformers_and_peft(
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert int(fields["LoRA"].replace(",", "")) == trainable
     assert "(with --quantize)" in out and "4-bit group 64" in out
+
+
+def test_max_memory_stops_mid_run_saves_and_resumes(
+    env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A budget the planner accepts (the tiny model's tensors need ~2 MiB) but the measured
+    peak (weights + what training adds to RSS) crosses: stop at step 1, save, resume later."""
+    out = tmp_path / "out"
+    assert _train(env, out, "--steps", "3", "--max-memory", "3MB") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "crossed --max-memory" in err and "at step 1" in err, err
+    assert (out / "adapter_model.safetensors").exists()
+    assert main(["train", "--resume", str(out), "--max-memory", "2GB"]) == 0
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+
+
+def test_mezo_takes_the_mezo_papers_lr_and_a_constant_schedule(
+    env: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _train(env, out, "--engine", "mezo", "--steps", "3", "--warmup", "0") == 0
+    args = json.loads((out / "run_args.json").read_text())
+    assert (args["lr"], args["schedule"]) == (1e-4, "constant")
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert lrs[:3] == [1e-4] * 3
+    assert _train(env, tmp_path / "o2", "--steps", "1") == 0  # the other engines: 2e-4, cosine
+    args = json.loads((tmp_path / "o2" / "run_args.json").read_text())
+    assert (args["lr"], args["schedule"]) == (2e-4, "cosine")
+
+
+def test_device_flag_is_checked_and_every_weight_moves_with_the_model(
+    env: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    import torch
+
+    from mesp.loading import load_model
+    from mesp.quant import QuantSpec
+
+    if not torch.cuda.is_available():
+        argv = ["eval", "--model", str(env["model"]), "--device", "cuda"]
+        assert main(argv) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
+    assert main(["eval", "--model", str(env["model"]), "--device", "tpu"]) == 2
+    # `--device cuda` moves the model with .to(): every frozen tensor must be a buffer it sees
+    model = load_model(env["model"], QuantSpec(4, 64)).model.to("meta")
+    assert all(t.is_meta for t in model.state_dict().values())
+    assert all(t.is_meta for t in model.buffers())
