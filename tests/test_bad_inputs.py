@@ -160,12 +160,32 @@ CASES = {
 }
 
 
+# cases that fail only once training has begun, after the run's first files were written
+LEAVES_OUTPUT = {
+    "stream_weights_unwritable": "an unwritable --offload-dir is found at the first step, after "
+    "run_args.json, baseline.json and log.jsonl were written (mesp/commands.py checks it late)",
+}
+
+
+def _output_dir(argv: list[str]) -> Path:
+    """Where `mesp train` writes: the --resume directory, else the last --adapter-out."""
+    flag = "--resume" if "--resume" in argv else "--adapter-out"
+    return Path(argv[len(argv) - 1 - argv[::-1].index(flag) + 1])
+
+
+def _snapshot(p: Path) -> dict[str, tuple[int, int]] | None:
+    """Every file under p (or p itself) with its size and mtime; None if p does not exist."""
+    if not p.exists():
+        return None
+    files = [p] if not p.is_dir() else [f for f in p.rglob("*") if not f.is_dir()]
+    return {str(f.relative_to(p)): (f.stat().st_size, f.stat().st_mtime_ns) for f in files}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_train_input(
     case: str, env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     extra, expect = CASES[case]
-    out = tmp_path / "out"
     argv = [
         "train",
         "--model",
@@ -174,15 +194,26 @@ def test_bad_train_input(
         str(env["good"]),
         *FAST,
         "--adapter-out",
-        str(out),
+        str(tmp_path / "out"),
         *extra(env),
     ]
+    out = _output_dir(argv)
+    before = _snapshot(out)
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.startswith("mesp: error:") and err.count("\n") == 1, err
     assert expect in err, err
-    assert not (out / "adapter_model.safetensors").exists()
+    # no output at all: not an adapter, nor run_args.json, log.jsonl, a state or temp file;
+    # a directory that was there (an old run, a file in the way) is left as it was
+    after = _snapshot(out)
+    left = (
+        (after or {}) if before is None else {k: v for k, v in after.items() if v != before.get(k)}
+    )
+    gone = sorted(set(before or {}) - set(after or {}))
+    if (left or gone) and case in LEAVES_OUTPUT:
+        pytest.xfail(LEAVES_OUTPUT[case])
+    assert not left and not gone, f"{case}: wrote {sorted(left)}, removed {gone} in {out}"
 
 
 def test_adapter_for_another_model(env: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
@@ -239,16 +270,57 @@ def test_disk_full_on_save_keeps_the_previous_adapter(
     assert not [p for p in out.iterdir() if p.name.startswith(".adapter")]  # no temp left
 
 
+def _fstring_code(token: str) -> list[bool] | None:
+    """For an f-string token (Python < 3.12 gives one token), which characters are code, i.e.
+    inside {replacement fields}; None for other strings."""
+    prefix = token[: len(token) - len(token.lstrip("rRbBuUfF"))]
+    if "f" not in prefix.lower():
+        return None
+    code, depth, i = [False] * len(token), 0, len(prefix)
+    while i < len(token):
+        ch = token[i]
+        if depth == 0 and ch in "{}" and token[i : i + 2] in ("{{", "}}"):
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+        elif depth:
+            code[i] = True
+        i += 1
+    return code
+
+
 def test_no_pickle_anywhere() -> None:
     """Tensors go through safetensors, state through JSON: no pickle, no unsafe torch.load,
     no eval/exec in the package."""
+    import io
     import re
+    import tokenize
 
     pkg = Path(__file__).resolve().parent.parent / "mesp"
     bad = []
+    text = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
     for f in pkg.rglob("*.py"):
-        for i, line in enumerate(f.read_text().splitlines(), 1):
-            code = line.split("#")[0]
+        src = f.read_text()
+        # each line with comments and string contents blanked out: docstrings, messages and
+        # f-string text may say "pickle"; code (f-string {expressions} included) may not
+        lines = [list(line) for line in src.splitlines()]
+        for t in tokenize.generate_tokens(io.StringIO(src).readline):
+            if t.type in text:
+                keep = _fstring_code(t.string) if t.type == tokenize.STRING else None
+                k = 0
+                for row in range(t.start[0], t.end[0] + 1):
+                    lo = t.start[1] if row == t.start[0] else 0
+                    hi = t.end[1] if row == t.end[0] else len(lines[row - 1])
+                    for c in range(lo, hi):
+                        if keep is None or not keep[k]:
+                            lines[row - 1][c] = " "
+                        k += 1
+                    k += 1  # the newline between rows
+        code_of = {i: "".join(chars) for i, chars in enumerate(lines, 1)}
+        for i, code in sorted(code_of.items()):
             if re.search(r"\bpickle\b|\bcloudpickle\b|\bdill\b", code):
                 bad.append(f"{f}:{i}: pickle")
             if "torch.load(" in code and "weights_only=True" not in code:

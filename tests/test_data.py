@@ -31,6 +31,7 @@ from mesp.data import (
 )
 from mesp.errors import MespError
 from mesp.tokenizer import Tokenizer
+from tests.test_fuzz_headers import time_bound
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -466,11 +467,83 @@ def test_arbitrary_bytes_give_examples_or_mesp_error(
     f.write_bytes(data)
     for mask_prompt in (False, True):
         try:
-            out = load_jsonl(f, tok, 8, mask_prompt=mask_prompt, warn=lambda _: None)
+            with time_bound():
+                out = load_jsonl(f, tok, 8, mask_prompt=mask_prompt, warn=lambda _: None)
         except MespError as e:
             assert "\n" not in str(e)
             continue
         assert out and all(e.n_targets > 0 and len(e.ids) <= 9 for e in out)
+
+
+def test_deeply_nested_json_row_is_one_error(tok: Tokenizer, tmp_path: Path) -> None:
+    f = tmp_path / "deep.jsonl"
+    f.write_text('{"text": ' + "[" * 5000 + "]" * 5000 + "}\n")
+    with pytest.raises(MespError, match="deep.jsonl:1"):
+        load_jsonl(f, tok, 8, warn=lambda _: None)
+
+
+# ---------------------------------------------------------------- the runner's reader
+
+RUNNER_SEQ, RUNNER_VOCAB = 6, 10
+IDS = st.one_of(
+    st.lists(st.integers(-2, RUNNER_VOCAB + 1), max_size=RUNNER_SEQ + 3),
+    st.lists(st.sampled_from([1, 1.0, True, "1", None, [1], 2**70]), max_size=4),
+    st.sampled_from([None, 3, "x", {}]),
+)
+MASK = st.one_of(
+    st.lists(st.sampled_from([0, 1, 2, -1, True, False, 1.0, 0.5, None, "1"]), max_size=10),
+    st.sampled_from([None, 1, "x", {}]),
+)
+RUNNER_ROW = st.one_of(
+    st.fixed_dictionaries({"input_ids": IDS}, optional={"loss_mask": MASK}).map(json.dumps),
+    st.sampled_from(["", " ", "{", "[]", "null", '"x"', "1", "{}", '{"loss_mask": [1]}']),
+    st.text(max_size=20),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.one_of(
+        st.binary(max_size=300),
+        st.lists(RUNNER_ROW, max_size=5).map(lambda rows: "\n".join(rows).encode()),
+        st.lists(RUNNER_ROW, max_size=5).map(lambda rows: "\r\n".join(rows).encode("utf-16")),
+    )
+)
+def test_runner_read_rows_gives_rows_or_one_error(data: bytes) -> None:
+    """mesp.runner.read_rows (pre-tokenized jsonl for the exported-graph runner): valid rows
+    or one RunnerError line, never another exception or a hang."""
+    import tempfile
+
+    from mesp.runner import RunnerError, read_rows
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "rows.jsonl"
+        f.write_bytes(data)
+        try:
+            with time_bound():
+                rows = read_rows(f, RUNNER_SEQ, RUNNER_VOCAB)
+        except RunnerError as e:
+            assert "\n" not in str(e) and str(f) in str(e)
+            return
+    assert rows
+    for ids, mask in rows:
+        assert 2 <= len(ids) <= RUNNER_SEQ + 1 and len(mask) == len(ids)
+        assert all(type(x) is int and 0 <= x < RUNNER_VOCAB for x in ids)
+        assert mask[0] == 0 and set(mask) <= {0, 1} and all(type(m) is int for m in mask)
+
+
+@pytest.mark.xfail(
+    raises=RecursionError,
+    strict=False,
+    reason="mesp/runner.py read_rows catches only JSONDecodeError from json.loads",
+)
+def test_runner_deeply_nested_row_is_one_error(tmp_path: Path) -> None:
+    from mesp.runner import RunnerError, read_rows
+
+    f = tmp_path / "deep.jsonl"
+    f.write_text("[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(RunnerError, match="deep.jsonl:1"):
+        read_rows(f, RUNNER_SEQ, RUNNER_VOCAB)
 
 
 # ---------------------------------------------------------------- default dataset

@@ -160,6 +160,7 @@ def test_resume_of_another_run_is_refused(setup: tuple[Path, Path], tmp_path: Pa
     argv = _argv(model, data, out, "mesp")
     argv[argv.index("--steps") + 1] = "2"
     assert subprocess.run(argv, capture_output=True).returncode == 0
+    files = {f.name: f.read_bytes() for f in out.iterdir()}
     r = subprocess.run(
         [
             sys.executable,
@@ -177,6 +178,7 @@ def test_resume_of_another_run_is_refused(setup: tuple[Path, Path], tmp_path: Pa
     )
     assert r.returncode == 2 and "cannot resume" in r.stderr, r.stderr
     assert r.stderr.startswith("mesp: error:") and r.stderr.count("\n") == 1, r.stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == files  # the run is left as it was
 
 
 def test_every_rng_state_round_trips(tmp_path: Path) -> None:
