@@ -67,7 +67,7 @@ def run(ns: argparse.Namespace) -> int:
         line += f", {sum('pte' in p for p in progs)} lowered to .pte"
     print(f"{line}; export id {conf['export_id']}", flush=True)
     if ns.memory_report:
-        for row in memory_report(loaded.model, Path(ns.out), opts, ns.seed):
+        for row in memory_lines(memory_report(loaded.model, Path(ns.out), opts, ns.seed)):
             print(row, flush=True)
     return 0
 
@@ -76,7 +76,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:9.1f}"
 
 
-def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> list[str]:
+def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> dict[str, Any]:
     """One warm training step each (a first step makes the gradients, as in training), measured by
     the exact live-tensor tracker: the in-process mesp engine on `model`, then mesp.runner from
     the artifacts in art_dir, on the same random batch (every token trained). Frozen weights are
@@ -120,17 +120,31 @@ def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> list[s
     art.on_load = None
 
     edge = sum(t.numel() * t.element_size() for w in (art.embed_w, art.head_w) for t in w.values())
-    block = art.peak_resident_bytes - edge
+    return {
+        "seq_len": S,
+        "batch_size": B,
+        "engine": engine,
+        "runner": ran,
+        "resident": art.peak_resident_bytes,
+        "edge": edge,
+    }
+
+
+def memory_lines(fig: dict[str, Any]) -> list[str]:
+    """memory_report's figures as the table `mesp export --memory-report` prints."""
     cols = ("weights", "adapter", "working", "total")
+    engine, ran, edge = fig["engine"], fig["runner"], fig["edge"]
     out = [
-        f"one warm training step, seq {S} x batch {B}: MiB of live tensors at each one's peak",
+        f"one warm training step, seq {fig['seq_len']} x batch {fig['batch_size']}: MiB of live "
+        "tensors at each one's peak (exact tracker)",
         f"{'':16}" + "".join(f"{c:>9}" for c in cols),
     ]
     for name, d in (("in-process mesp", engine), ("mesp.runner", ran)):
         out.append(f"{name:16}" + "".join(_mib(d[c]) for c in cols))
     out.append(
-        f"runner frozen weights resident at most {art.peak_resident_bytes / 2**20:.1f} MiB "
-        f"(embedding/norm/head {edge / 2**20:.1f} + one block {block / 2**20:.1f}); "
-        f"working memory {ran['working'] / 2**20:.1f} vs engine {engine['working'] / 2**20:.1f} MiB"
+        f"runner frozen weights resident at most {fig['resident'] / 2**20:.1f} MiB "
+        f"(embedding/norm/head {edge / 2**20:.1f} + one block "
+        f"{(fig['resident'] - edge) / 2**20:.1f}); working memory "
+        f"{ran['working'] / 2**20:.1f} vs engine {engine['working'] / 2**20:.1f} MiB"
     )
     return out

@@ -432,6 +432,27 @@ def test_runner_peak_working_memory_at_most_the_engines(cases) -> None:  # type:
     assert got["weights"] < ref["weights"]
 
 
+def test_memory_report_rows(cases) -> None:  # type: ignore[no-untyped-def]
+    """`mesp export --memory-report` (run for Qwen2.5-0.5B in the README) on the tiny export:
+    both rows, the runner's working memory at most the engine's, one block resident."""
+    from mesp.export_cli import memory_lines, memory_report
+
+    case = cases("qwen2")
+    case.reset()
+    fig = memory_report(case.model, case.dir, ExportOptions(S, B, case.vchunk))
+    engine, ran = fig["engine"], fig["runner"]
+    assert ran["working"] <= engine["working"], fig
+    assert ran["weights"] < engine["weights"] and ran["adapter"] == engine["adapter"], fig
+    one_block = max(_nbytes(load_file(case.dir / b["file"])) for b in case.art.conf["blocks"])
+    assert fig["resident"] == fig["edge"] + one_block
+    lines = memory_lines(fig)
+    assert lines[1].split() == ["weights", "adapter", "working", "total"]
+    assert lines[2].startswith("in-process mesp") and lines[3].startswith("mesp.runner")
+    assert "one block" in lines[4]
+    for p in case.model.lora_parameters():
+        assert p.grad is None
+
+
 @pytest.mark.slow
 def test_cli_export_then_run_artifacts(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """`mesp export` on an HF directory, then `mesp run-artifacts` on what it wrote."""
