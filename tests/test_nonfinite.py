@@ -157,13 +157,6 @@ def test_skip_nonfinite_skips_logs_and_finishes(engine: str, kind: str, tmp_path
     )
 
 
-TRAIN_PY_FIX = (
-    "mesp/train.py's skip path `continue`s past the save_every checkpoint and the signal check "
-    "(being fixed in mesp/train.py by another engineer)"
-)
-
-
-@pytest.mark.xfail(reason=TRAIN_PY_FIX, strict=False)
 def test_a_save_step_that_is_skipped_is_still_saved(tmp_path: Path) -> None:
     _, eng, out, res = _run(tmp_path, "mesp", "nan_loss", skip_nonfinite=True, save_every=BAD)
     assert not isinstance(res, Exception), res
@@ -171,7 +164,6 @@ def test_a_save_step_that_is_skipped_is_still_saved(tmp_path: Path) -> None:
     assert eng.saved[BAD + 1] == BAD  # the save due at the skipped step happened
 
 
-@pytest.mark.xfail(reason=TRAIN_PY_FIX, strict=False)
 def test_a_signal_during_a_skipped_step_stops_at_that_step(tmp_path: Path) -> None:
     def sigterm() -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler only sets a flag
