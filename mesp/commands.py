@@ -263,7 +263,14 @@ def _launch_torchrun(ns: argparse.Namespace) -> int:
         "mesp",
         *argv,
     ]
-    return subprocess.call(cmd)
+    rc = subprocess.call(cmd)
+    if rc not in (0, 130, 143):  # torchrun's own report is long; end with the one line to act on
+        out = ns.resume or ns.adapter_out
+        raise MespError(
+            f"a data-parallel rank failed (torchrun exit {rc}); the last saved state is in "
+            f"{out}: resume with mesp train --resume {out}"
+        )
+    return rc
 
 
 def _fingerprint(ns, loaded, data_cfg, lora_cfg, train_cfg) -> dict:  # type: ignore[no-untyped-def]
