@@ -36,6 +36,8 @@ def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
             opts.update(stream_weights=True, offload_dir=ns.offload_dir)
     elif ns.stream_weights:
         raise MespError("--stream-weights needs --engine mesp")
+    if ns.stream_weights or (ns.offload == "disk" and not ns.offload_fallback):
+        _check_spill_dir(ns)
     if ns.engine == "mezo":  # lr comes from the trainer's schedule each step (set_lr)
         opts.update(
             eps=ns.zo_eps,
@@ -44,6 +46,20 @@ def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
             weight_decay=getattr(ns, "weight_decay", 0.0),
         )
     return opts
+
+
+def _check_spill_dir(ns: argparse.Namespace) -> None:
+    """The spill files (disk checkpoints, streamed weights) go here: fail now, before any
+    output is written, not at the first step."""
+    import tempfile
+
+    d = ns.offload_dir or tempfile.gettempdir()
+    flag = "--stream-weights" if ns.stream_weights else "--offload disk"
+    try:
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise MespError(f"{flag}: cannot write spill files in {d} ({e.strerror or e})") from None
 
 
 def _tokenizer(loaded):  # type: ignore[no-untyped-def]

@@ -127,15 +127,17 @@ class _Header:
         start = self.take(n)
         return self.buf[start : start + n].decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == 8:
             return self.string()
         if vtype == 9:
+            if depth >= 4:  # real files nest one level (arrays of strings or numbers)
+                raise MespError(f"{self.where}: corrupt GGUF file (arrays nested too deeply)")
             sub, n = self.scalar(4), self.scalar(10)
             if sub in _SCALAR:  # numeric arrays (scores, token types) in one numpy read
                 dt = np.dtype(_SCALAR[sub])
                 return np.frombuffer(self.buf, dt, n, self.take(n * dt.itemsize)).tolist()
-            return [self.value(sub) for _ in range(n)]
+            return [self.value(sub, depth + 1) for _ in range(n)]
         if vtype not in _SCALAR:
             raise MespError(f"{self.where}: corrupt GGUF file (unknown metadata type {vtype})")
         return self.scalar(vtype)

@@ -102,6 +102,7 @@ def _check_complete(shard: Path) -> None:
             TypeError,
             IndexError,
             ValueError,
+            RecursionError,
         ):
             raise MespError(f"{shard}: corrupt safetensors header") from None
     if size < 8 + n + max(ends, default=0):
