@@ -14,6 +14,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -171,10 +172,12 @@ def convergence(
             opts.setdefault("lr", cfg.lr)
             opts.setdefault("weight_decay", cfg.weight_decay)
         engine = make_engine(name, **opts)
+        # the trainer sets the engine's lr every step from the schedule: give mezo its own
+        run_cfg = replace(cfg, lr=opts["lr"]) if name == "mezo" else cfg
         run_dir = out_dir / name
         model = make_model()
         start = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches)
-        res = train(model, engine, train_examples, valid_examples, cfg, lora, run_dir, pad_id)
+        res = train(model, engine, train_examples, valid_examples, run_cfg, lora, run_dir, pad_id)
         elapsed = _elapsed_by_step(run_dir / "log.jsonl")
         valid = [{"step": 0, **start}, *res.valid]
         runs[name] = {

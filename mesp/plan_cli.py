@@ -92,6 +92,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="take each probe's g as zᵀ∇ from the exact gradient (ε → 0; no forwards)",
     )
     s.add_argument("--out", default="grad_analysis", help="directory for the JSON and PNG")
+    s.add_argument(
+        "--convergence",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: train mesp and mezo STEPS steps each from the same start on --data and "
+        "write valid loss against steps and seconds (convergence.json / .png)",
+    )
+    s.add_argument("--lr", type=float, default=1e-3, help="convergence: mesp's AdamW lr")
+    s.add_argument(
+        "--zo-lr", type=float, default=1e-4, help="convergence: mezo's SGD lr (MeZO paper)"
+    )
+    s.add_argument("--eval-batches", type=int, default=4, help="convergence: valid batches")
     s.set_defaults(run=run_analyze_grads)
 
 
@@ -152,6 +165,8 @@ def run_analyze_grads(ns: argparse.Namespace) -> int:
         samples = [int(x) for x in ns.samples.split(",") if x.strip()]
     except ValueError:
         raise MespError(f"--samples must be a comma list of integers, got {ns.samples!r}") from None
+    if ns.convergence:
+        return _run_convergence(ns)
     loaded = open_model(from_args(ModelOptions, ns), seed=ns.seed)
     apply_lora(loaded.model, LoraConfig(rank=ns.rank), seed=ns.seed)
     batches = _batches(ns, loaded)
@@ -163,4 +178,60 @@ def run_analyze_grads(ns: argparse.Namespace) -> int:
         f"{means} (one sample: E|cos| {result['mean_single_abs_cos']:.5f}, "
         f"isotropic theory {result['theory_single_abs_cos']:.5f}); wrote {js} and {png}"
     )
+    return 0
+
+
+def _run_convergence(ns: argparse.Namespace) -> int:
+    """mesp (exact gradients, AdamW) against mezo (SPSA, SGD) from the same weights, adapter
+    init and batch order: valid loss by step and by training second."""
+    from mesp.analyze import convergence
+    from mesp.data import DataConfig, load_splits, pad_id_of
+    from mesp.lora import LoraConfig, apply_lora
+    from mesp.session import open_model
+    from mesp.train import TrainConfig
+
+    _positive(ns, "convergence", "seq_len", "batch_size", "rank", "eval_batches")
+    opts = from_args(ModelOptions, ns)
+    first = open_model(opts, seed=ns.seed)
+    if first.tokenizer is None:
+        raise MespError("--convergence needs a model with a tokenizer (not random:SHAPE)")
+    splits = load_splits(DataConfig(path=ns.data, seq_len=ns.seq_len), first.tokenizer)
+    lora = LoraConfig(rank=ns.rank)
+    cache = [first]
+
+    def make_model():  # type: ignore[no-untyped-def]
+        loaded = cache.pop() if cache else open_model(opts, seed=ns.seed)
+        apply_lora(loaded.model, lora, seed=ns.seed)
+        return loaded.model
+
+    every = max(1, ns.convergence // 10)
+    cfg = TrainConfig(
+        steps=ns.convergence,
+        batch_size=ns.batch_size,
+        lr=ns.lr,
+        warmup=0,
+        schedule="constant",
+        eval_every=every,
+        eval_batches=ns.eval_batches,
+        save_every=ns.convergence,
+        seed=ns.seed,
+        progress=False,
+    )
+    mezo = {"lr": ns.zo_lr, "eps": ns.eps, "seed": ns.seed}
+    res = convergence(
+        make_model,
+        splits["train"],
+        splits["valid"],
+        cfg,
+        lora,
+        Path(ns.out),
+        engine_opts={"mezo": mezo},
+        pad_id=pad_id_of(first.tokenizer),
+    )
+    for name, r in res["runs"].items():
+        print(
+            f"mesp: {name}: valid loss {r['valid_loss'][0]:.4f} -> {r['valid_loss'][-1]:.4f} "
+            f"in {r['steps'][-1]} steps, {r['total_seconds']:.0f} s"
+        )
+    print(f"mesp: wrote {Path(ns.out) / 'convergence.json'} and convergence.png")
     return 0

@@ -241,3 +241,21 @@ def test_device_flag_is_checked_and_every_weight_moves_with_the_model(
     model = load_model(env["model"], QuantSpec(4, 64)).model.to("meta")
     assert all(t.is_meta for t in model.state_dict().values())
     assert all(t.is_meta for t in model.buffers())
+
+
+def test_analyze_grads_convergence_runs_both_engines_from_one_start(
+    env: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "conv"
+    argv = ["analyze-grads", "--model", str(env["model"]), "--data", str(env["data"])]
+    argv += [*FAST[:4], "--convergence", "4", "--eval-batches", "1", "--out", str(out)]
+    assert main(argv) == 0
+    res = json.loads((out / "convergence.json").read_text())
+    runs = res["runs"]
+    assert set(runs) == {"mesp", "mezo"} and (out / "convergence.png").exists()
+    for r in runs.values():
+        assert r["steps"][0] == 0 and r["steps"][-1] == 4
+        assert len(r["seconds"]) == len(r["valid_loss"]) == len(r["steps"])
+    assert runs["mesp"]["valid_loss"][0] == runs["mezo"]["valid_loss"][0]  # one start
+    lrs = [json.loads(x).get("lr") for x in (out / "mezo" / "log.jsonl").read_text().splitlines()]
+    assert 1e-4 in lrs  # mezo trained at its own lr, not mesp's
