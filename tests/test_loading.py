@@ -173,3 +173,22 @@ def test_bad_checkpoints(case: str, tmp_path: Path) -> None:
     with pytest.raises(MespError, match=match) as e:
         load_model(m)
     assert "\n" not in str(e.value) and str(m) in str(e.value)
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path: Path, prefix: str) -> None:
+    """A Gemma 3 image-text checkpoint (model_type gemma3, text_config, the text weights under
+    a language-model prefix, a vision tower beside them): mesp loads the language model."""
+    w = _write_hf(tmp_path / "text", "gemma3")
+    hf = w["hf"]
+    m = tmp_path / "mm"
+    m.mkdir()
+    sd = {prefix + k.removeprefix("model."): v for k, v in w["sd"].items()}
+    sd["model.vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
+    sd["model.multi_modal_projector.norm.weight"] = torch.zeros(4)
+    save_file(sd, str(m / "model.safetensors"))
+    text = hf.config.to_dict()
+    (m / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    loaded = load_model(m).model
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(IDS), hf(IDS).logits, atol=1e-4, rtol=0)

@@ -39,8 +39,9 @@ def read_safetensors_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict]:
     cfg_path = path / "config.json"
     cfg = ModelConfig.from_file(cfg_path)
     raw = json.loads(cfg_path.read_text())
-    where: dict[str, Path] = {}
+    where: dict[str, tuple[Path, str]] = {}  # our (HF text-model) name -> (shard, stored name)
     handles = {}
+    multimodal = raw.get("model_type") == "gemma3" and "text_config" in raw
     for shard in _shards(path):
         _check_complete(shard)
         try:
@@ -52,12 +53,14 @@ def read_safetensors_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict]:
             ) from None
         handles[shard] = h
         for n in names:
-            where[n] = shard
+            ours = _text_model_name(n) if multimodal else n
+            if ours is not None:
+                where[ours] = (shard, n)
 
     def get(name: str) -> torch.Tensor:
-        shard = where[name]
+        shard, stored = where[name]
         try:
-            return handles[shard].get_tensor(name)
+            return handles[shard].get_tensor(stored)
         except Exception as e:
             raise MespError(f"{shard}: cannot read tensor {name} ({_first_line(e)})") from None
 
@@ -80,6 +83,23 @@ def _quant_spec(q: dict, cfg_path: Path) -> QuantSpec:
         return QuantSpec(bits=bits, group_size=group)
     except MespError as e:
         raise MespError(f"{cfg_path}: {e}") from None
+
+
+def _text_model_name(name: str) -> str | None:
+    """A Gemma 3 multimodal checkpoint's tensor under the text model's name, or None for the
+    vision tower and projector (mesp trains the language model). transformers 5 stores
+    `model.language_model.*`, 4.x `language_model.model.*` (and `language_model.lm_head`)."""
+    for old, new in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ):
+        if name.startswith(old):
+            return new + name[len(old) :]
+    if name.startswith(("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                        "multi_modal_projector.")):  # fmt: skip
+        return None
+    return name
 
 
 def _check_complete(shard: Path) -> None:
