@@ -1,4 +1,4 @@
-"""`mesp bench {table1,...,ladder,softmax,dequant}`: thin glue from flags to the benchmarks.
+"""`mesp bench {table1,...,ladder,softmax,dequant,dropin}`: thin glue from flags to the benchmarks.
 
 `quick` is table 1 on a tiny 2-layer shape (about a minute; what the tests run); `--quick`
 does the same for any table. Rows accumulate under --out, so tables can be run piece by piece
@@ -24,6 +24,7 @@ TABLE_CHOICES = (
     "ladder",
     "softmax",
     "dequant",
+    "dropin",
 )
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -63,7 +64,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--skip",
         type=_words,
         default=(),
-        help="configs not to run, e.g. bp@qwen2.5-3b or mebp@qwen2.5-0.5b@4096",
+        help="configs not to run, e.g. bp@qwen2.5-3b or mebp@qwen2.5-0.5b@4096 "
+        "(dropin: unpatched, unpatched+gc, patched, patched+gc, optionally @SEQ)",
     )
     p.add_argument(
         "--dtype",
@@ -201,10 +203,50 @@ def run_dequant(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_dropin(ns: argparse.Namespace) -> int:
+    """HF + PEFT, unpatched vs mesp.patch, gradient checkpointing off/on (mesp/dropin_bench.py).
+    --quick: the tiny Qwen2 shape at 32 and 64 tokens (seconds, for the tests). --device meta:
+    the exact peak on the meta device (no arithmetic, no time), for lengths a CPU cannot run."""
+    from mesp import dropin_bench
+    from mesp.bench_report import write_report
+
+    if ns.steps < 1 or ns.warmup < 0:
+        raise MespError("--steps must be >= 1 and --warmup >= 0")
+    dtype, device = ns.dtype or "float32", ns.device or "cpu"
+    shape = (ns.shapes or ("tiny-qwen2" if ns.quick else "qwen2.5-0.5b",))[0]
+    seqs = ns.seq or ((32, 64) if ns.quick else (256, 1024))
+    rank = (ns.rank or (8,))[0]
+    if ns.quick and ns.threads is None:
+        ns.threads = 1
+    parts = ["mesp", "bench", "dropin", "--shapes", shape, "--seq", ",".join(map(str, seqs))]
+    parts += ["--rank", str(rank), "--dtype", dtype, "--steps", str(ns.steps)]
+    parts += ["--warmup", str(ns.warmup)]
+    if ns.threads:
+        parts += ["--threads", str(ns.threads)]
+    if ns.skip:
+        parts += ["--skip", ",".join(ns.skip)]
+    if device == "meta":
+        parts += ["--device", "meta"]
+    parts += ["--out", str(ns.out)] + (["--markdown", str(ns.markdown)] if ns.markdown else [])
+    if not ns.report_only:
+        rows = dropin_bench.run(
+            tuple(seqs), shape, dtype, ns.steps, ns.threads, timeout=ns.timeout, rank=rank,
+            warmup=ns.warmup, out=ns.out, command=shlex.join(parts), skip=tuple(ns.skip),
+            device=device,
+        )  # fmt: skip
+        for row in rows:
+            print(dropin_bench.line(row))
+    if ns.markdown is not None:
+        print(f"wrote {write_report(ns.out, ns.markdown)}")
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
     from mesp.bench import BenchOptions, run_table, summary
     from mesp.bench_report import write_report
 
+    if ns.table == "dropin":
+        return run_dropin(ns)
     if ns.table == "dequant":
         return run_dequant(ns)
     if ns.table == "softmax":

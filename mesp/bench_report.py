@@ -13,7 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from mesp import bench_dequant, bench_ladder, bench_softmax
+from mesp import bench_dequant, bench_ladder, bench_softmax, dropin_bench
 from mesp.bench import TABLES, load_rows
 
 MiB = 2**20
@@ -456,6 +456,7 @@ def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
     lines += bench_ladder.section(rows)
     lines += bench_softmax.section(rows)
     lines += bench_dequant.section(rows)
+    lines += dropin_bench.section(rows)
     comp = composition(rows, dtype)
     if comp:
         lines += ["## What makes up MeSP's peak", "", *comp]

@@ -8,23 +8,39 @@ optimizer / working), and the median wall and process-CPU time of `steps` untrac
 CPU time is the one to compare on a shared machine: wall time also counts other processes'
 turns on the cores. The step is what a user's loop does: `model(input_ids=…, labels=…).loss
 .backward()`, then AdamW.
+
+device="meta" builds the model on PyTorch's meta device: the same step on shapes without
+arithmetic, so the exact peak of a long sequence takes seconds (no time is measured). Two shims
+keep it the CPU run's peak, tensor for tensor (the tests compare them): attention goes to the
+kernel CPU's SDPA picks (flash, which saves a log-sum-exp, not the attention weights; the meta
+dispatcher would take the math path), and HF's packed-sequence check, which reads values, gets
+the answer it gives for one unpacked row (none).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from mesp.errors import MespError
 from mesp.memory_rss import report, run_child
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
 # (patched, checkpointing) in table order: each patched run right after its baseline.
 CONFIGS = ((False, False), (True, False), (False, True), (True, True))
 MIB = 1 << 20
@@ -44,6 +60,32 @@ class DropinConfig:
     seed: int = 0
     threads: int | None = None  # torch threads; None: torch's default
     mlp_recompute: bool = False
+    device: str = "cpu"  # or "meta": exact peak only, no arithmetic, no time
+
+
+def _meta_shims() -> None:
+    """On the meta device, take the paths a CPU run takes (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+    import transformers.masking_utils as mu
+
+    mu.find_packed_sequence_indices = lambda position_ids: None  # one row: never packed
+    sdpa = F.scaled_dot_product_attention
+
+    def cpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):  # type: ignore[no-untyped-def]
+        if not q.is_meta or attn_mask is not None or dropout_p:
+            kw.update(
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+            )
+            return sdpa(q, k, v, **kw)
+        # CPU's flash kernel takes grouped k/v heads as they are (enable_gqa)
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return out(q, k, v, 0.0, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = cpu_sdpa
 
 
 def _measure(c: DropinConfig) -> dict[str, Any]:
@@ -54,46 +96,60 @@ def _measure(c: DropinConfig) -> dict[str, Any]:
 
     from mesp.bench_child import shape_dict
     from mesp.memory_tracker import adapter_tensors, measure_peak
-    from mesp.patch import patch
+    from mesp.patch import patch, patch_record
 
     if c.threads:
         torch.set_num_threads(c.threads)
+    if c.device not in ("cpu", "meta"):
+        raise MespError(f"device must be cpu or meta, not {c.device!r}")
+    meta = c.device == "meta"
+    if meta:
+        _meta_shims()
     dtype = getattr(torch, c.dtype)
     d = shape_dict(c.shape)
     if d.pop("model_type") != "qwen2":
         raise MespError(f"the drop-in benchmark builds Qwen2 shapes only, not {c.shape!r}")
     torch.manual_seed(c.seed)
-    hf = tf.AutoModelForCausalLM.from_config(tf.Qwen2Config(**d), dtype=dtype)
     lcfg = LoraConfig(
         r=c.rank, lora_alpha=2 * c.rank, lora_dropout=0.0, target_modules=LORA_TARGETS
     )
-    model = get_peft_model(hf, lcfg).train()  # HF checkpoints only in training mode
+    with torch.device(c.device):
+        hf = tf.AutoModelForCausalLM.from_config(tf.Qwen2Config(**d), dtype=dtype)
+        model = get_peft_model(hf, lcfg).train()  # HF checkpoints only in training mode
     if c.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    swapped = 0
     if c.patched:
         patch(model, mlp_recompute=c.mlp_recompute)
+        rec = patch_record(model)
+        if rec is None or not rec.loss or rec.skipped:
+            raise MespError(f"mesp.patch did not take: {rec}")
+        swapped = len(rec.names)  # 7 LoRA linears + 1 MLP per layer
     params = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
     opt = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(c.seed + 1)
     ids = torch.randint(0, d["vocab_size"], (c.batch, c.seq), generator=g)
+    inputs = ids.to(c.device)  # labels stay on the host: both losses move them as needed
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF shifts the labels
+        loss = model(input_ids=inputs, labels=ids, use_cache=False).loss  # HF shifts labels
         loss.backward()
         opt.step()
-        return float(loss.detach())
+        return float("nan") if meta else float(loss.detach())
 
     losses = [step() for _ in range(c.warmup)]
     gc.collect()
     t = time.perf_counter()
     peak = measure_peak(
-        lambda: losses.append(step()), weights=frozen, adapter=lambda: adapter_tensors(params, opt)
+        lambda: losses.append(step()),
+        weights=frozen,
+        adapter=lambda: adapter_tensors(params, opt),
     )
     tracked_s = time.perf_counter() - t
     times, cpu = [], []
-    for _ in range(max(1, c.steps)):
+    for _ in range(0 if meta else max(1, c.steps)):
         gc.collect()
         t, t_cpu = time.perf_counter(), time.process_time()
         losses.append(step())
@@ -102,14 +158,41 @@ def _measure(c: DropinConfig) -> dict[str, Any]:
     return {
         "config": asdict(c),
         "exact": peak,
-        "time_s": statistics.median(times),
+        "time_s": statistics.median(times) if times else None,
         "times_s": times,
-        "cpu_s": statistics.median(cpu),
+        "cpu_s": statistics.median(cpu) if cpu else None,
         "cpus_s": cpu,
         "tracked_s": tracked_s,
         "losses": losses,
         "threads": torch.get_num_threads(),
+        "patched_modules": swapped,
     }
+
+
+CONFIG_NAMES = {
+    (False, False): "unpatched",
+    (False, True): "unpatched+gc",
+    (True, False): "patched",
+    (True, True): "patched+gc",
+}
+MEMORY_TARGET, TIME_TARGET = 0.5, 1.1  # patched / unpatched, same checkpointing setting
+
+
+def config_name(c: dict[str, Any]) -> str:
+    return CONFIG_NAMES[(bool(c["patched"]), bool(c["checkpointing"]))]
+
+
+def row_path(out: Path, c: DropinConfig) -> Path:
+    gc_ = "gc" if c.checkpointing else "nogc"
+    dev = "" if c.device == "cpu" else f"_{c.device}"
+    name = f"{'patched' if c.patched else 'unpatched'}_{gc_}_{c.shape}_s{c.seq}_{c.dtype}{dev}.json"
+    return out / "rows" / "dropin" / name
+
+
+def _skipped(skip: tuple[str, ...], c: DropinConfig) -> bool:
+    """skip entries: a configuration name (patched+gc), optionally @seq (unpatched@1024)."""
+    name = CONFIG_NAMES[(c.patched, c.checkpointing)]
+    return any(s == name or s == f"{name}@{c.seq}" for s in skip)
 
 
 def run(
@@ -120,73 +203,161 @@ def run(
     threads: int | None = None,
     mlp_recompute: bool = False,
     timeout: float = 3600.0,
+    *,
+    rank: int = 8,
+    warmup: int = 1,
+    device: str = "cpu",
+    out: Path | None = None,
+    command: str = "",
+    skip: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    """One row per (seq, patched, checkpointing), each measured in its own child process."""
+    """One row per (seq, patched, checkpointing), each measured in its own child process; with
+    `out`, each row is also written to OUT/rows/dropin/ as soon as it is measured. A child that
+    fails or times out becomes a row with status "failed" and the reason; `skip` ones "skipped"."""
     rows = []
     for seq in seq_lens:
         for patched, ckpt in CONFIGS:
-            c = DropinConfig(patched, ckpt, shape, seq, dtype=dtype, steps=steps, threads=threads)
-            c.mlp_recompute = mlp_recompute
-            out = run_child(["-m", "mesp.dropin_bench", json.dumps(asdict(c))], timeout=timeout)
-            if out.get("status") != "ok":
-                raise MespError(f"drop-in benchmark child failed: {out.get('reason')}")
-            rows.append(out)
-            print(_line(out), file=sys.stderr, flush=True)
+            c = DropinConfig(patched, ckpt, shape, seq, rank=rank, dtype=dtype, steps=steps)
+            c.warmup, c.threads, c.mlp_recompute = warmup, threads, mlp_recompute
+            c.device = device
+            load = os.getloadavg()[0]
+            if _skipped(skip, c):
+                res: dict[str, Any] = {
+                    "status": "skipped",
+                    "reason": "--skip",
+                    "config": asdict(c),
+                }
+            else:
+                try:
+                    res = run_child(
+                        ["-m", "mesp.dropin_bench", json.dumps(asdict(c))],
+                        timeout=timeout,
+                    )
+                except MespError as e:
+                    res = {"status": "failed", "reason": str(e), "config": asdict(c)}
+            row = {"table": "dropin", **res, "command": command, "load_before": load}
+            if out is not None:
+                path = row_path(out, c)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(row, indent=1))
+            rows.append(row)
+            print(line(row), file=sys.stderr, flush=True)
     return rows
 
 
-def _line(row: dict[str, Any]) -> str:
-    c, e = row["config"], row["exact"]
-    return (
-        f"seq {c['seq']:5d}  ckpt {'on ' if c['checkpointing'] else 'off'}  "
-        f"{'patched  ' if c['patched'] else 'unpatched'}  working {e['working'] / MIB:8.1f} MiB  "
-        f"total {e['total'] / MIB:8.1f} MiB  step {row['cpu_s']:7.2f} s CPU, {row['time_s']:7.2f} s"
-    )
+def line(row: dict[str, Any]) -> str:
+    c = row["config"]
+    head = f"seq {c['seq']:5d}  {config_name(c):<12}"
+    if row.get("status") != "ok":
+        return f"{head}  {row.get('status')}: {row.get('reason', '')}"
+    e = row["exact"]
+    mem = f"{head}  working {e['working'] / MIB:8.1f} MiB  total {e['total'] / MIB:8.1f} MiB"
+    if row.get("time_s") is None:
+        return f"{mem}  ({c.get('device', 'cpu')}: no time)"
+    return f"{mem}  step {row['cpu_s']:7.2f} s CPU, {row['time_s']:7.2f} s wall"
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table: per seq and checkpointing setting, unpatched vs patched and the ratios."""
-    by = {
-        (r["config"]["seq"], r["config"]["checkpointing"], r["config"]["patched"]): r for r in rows
-    }
-    head = (
-        "| seq | ckpt | working MiB unpatched → patched (×) | total MiB unpatched → patched (×)"
-        " | step CPU s unpatched → patched (×) | step wall s unpatched → patched (×) |"
-        "\n|---|---|---|---|---|---|"
-    )
-    lines = [head]
-    for seq, ckpt in sorted({(s, k) for s, k, _ in by}):
-        u, p = by.get((seq, ckpt, False)), by.get((seq, ckpt, True))
-        if u is None or p is None:
-            continue
-        cells = []
-        for key, fmt in (("working", ".0f"), ("total", ".0f"), ("cpu_s", ".1f"), ("time_s", ".1f")):
-            a, b = (r[key] if key.endswith("_s") else r["exact"][key] / MIB for r in (u, p))
-            cells.append(f"{a:{fmt}} → {b:{fmt}} ({b / a:.2f})")
-        lines.append(f"| {seq} | {'on' if ckpt else 'off'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def _ok(r: dict[str, Any] | None) -> bool:
+    return r is not None and r.get("status") == "ok"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="mesp bench dropin",
-        description="HF + PEFT step memory and time, unpatched vs mesp.patch, checkpointing off/on",
-    )
-    p.add_argument("--seq", type=int, nargs="+", default=[256, 1024], help="sequence lengths")
-    p.add_argument("--shape", default="qwen2.5-0.5b", help="a Qwen2 shape, or tiny-qwen2")
-    p.add_argument("--dtype", default="float32", help="float32 (fastest on CPU) or bfloat16")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in each child")
-    p.add_argument("--mlp-recompute", action="store_true", help="fused MLP keeps only x")
-    p.add_argument("--out", default=None, help="also write the rows to this JSON file")
-    ns = p.parse_args(argv)
-    rows = run(tuple(ns.seq), ns.shape, ns.dtype, ns.steps, ns.threads, ns.mlp_recompute)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(f"{ns.shape}, {ns.dtype}, batch 1, LoRA r=8 on all 7 projections, AdamW\n")
-    print(table(rows))
-    return 0
+def _pick(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """Of two rows of one configuration: a measured one, a CPU one (it has time) before meta."""
+    if old is None or (_ok(new) and not _ok(old)):
+        return new
+    if _ok(new) and new["config"].get("device", "cpu") == "cpu":
+        return new
+    return old
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return b / a if a and b is not None else None
+
+
+def _met(x: float | None, limit: float) -> str:
+    return "not measured" if x is None else ("met" if x <= limit else "MISSED")
+
+
+def section(rows: list[dict[str, Any]]) -> list[str]:
+    """The BENCHMARKS.md section: every configuration's peak and step time, then patched /
+    unpatched at the same checkpointing setting against the targets."""
+    mine = [r for r in rows if r.get("table") == "dropin"]
+    if not mine:
+        return []
+    out = [
+        "## Drop-in: HF + PEFT, unpatched vs `mesp.patch`",
+        "",
+        "A user's own loop on transformers + PEFT (`model(input_ids=…, labels=…).loss.backward()`, "
+        "then AdamW), LoRA r on q,k,v,o,gate,up,down, random weights at the named shape, batch 1. "
+        "Four configurations: unpatched or after `mesp.patch(model)`, each with HF gradient "
+        "checkpointing (non-reentrant) off and on; each in its own process. Exact peak of one "
+        "step (forward, backward, optimizer step) after a warm-up step: working = all live "
+        "tensors except the frozen weights and the adapter (params, grads, AdamW state); total "
+        "adds those two, and the frozen weights dominate it. Step time: median of untracked "
+        "steps, process CPU time (all threads; what to compare on a shared machine) and wall.",
+        "",
+    ]
+    groups = sorted({(r["config"]["shape"], r["config"]["dtype"]) for r in mine})
+    for shape, dtype in groups:
+        g = [r for r in mine if (r["config"]["shape"], r["config"]["dtype"]) == (shape, dtype)]
+        by: dict[tuple[int, str], dict[str, Any]] = {}
+        for r in g:
+            key = (r["config"]["seq"], config_name(r["config"]))
+            by[key] = _pick(by.get(key), r)
+        seqs = sorted({r["config"]["seq"] for r in g})
+        ok = [r for r in g if _ok(r)]
+        c0 = g[0]["config"]
+        w = f", frozen weights {ok[0]['exact']['weights'] / MIB:.0f} MiB" if ok else ""
+        out += [f"**{shape}, {dtype}, rank {c0['rank']}**{w}.", ""]
+        out += [
+            "| seq | configuration | working MiB | total MiB | step CPU s | step wall s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for seq in seqs:
+            for name in CONFIG_NAMES.values():
+                r = by.get((seq, name))
+                if r is None:
+                    continue
+                if r.get("status") != "ok":
+                    why = f"{r.get('status')}: {str(r.get('reason', ''))[:80]}"
+                    out.append(f"| {seq} | {name} | {why} | | | |")
+                    continue
+                e = r["exact"]
+                t = ["– (meta)"] * 2 if r.get("time_s") is None else [
+                    f"{r['cpu_s']:.2f}", f"{r['time_s']:.2f}"]  # fmt: skip
+                dev = " (meta)" if r["config"].get("device", "cpu") == "meta" else ""
+                out.append(
+                    f"| {seq} | {name}{dev} | {e['working'] / MIB:.1f} | {e['total'] / MIB:.1f} | "
+                    f"{t[0]} | {t[1]} |"
+                )
+        out += [
+            "",
+            f"Patched / unpatched at the same checkpointing setting; targets: memory ≤ "
+            f"{MEMORY_TARGET:g}x, step time ≤ {TIME_TARGET:g}x.",
+            "",
+            "| seq | checkpointing | working | total | step CPU | step wall |",
+            "|---|---|---|---|---|---|",
+        ]
+        for seq in seqs:
+            for gc_ in (False, True):
+                u = by.get((seq, CONFIG_NAMES[(False, gc_)]))
+                p = by.get((seq, CONFIG_NAMES[(True, gc_)]))
+                if u is None and p is None:
+                    continue
+                pair = [r if _ok(r) else None for r in (u, p)]
+                cells = []
+                for key, limit in (("working", MEMORY_TARGET), ("total", MEMORY_TARGET),
+                                   ("cpu_s", TIME_TARGET), ("time_s", TIME_TARGET)):  # fmt: skip
+                    x = None
+                    if pair[0] and pair[1]:
+                        val = [r[key] if key.endswith("_s") else r["exact"][key] for r in pair]
+                        x = None if None in val else _ratio(*val)
+                    cells.append("–" if x is None else f"{x:.2f} ({_met(x, limit)})")
+                out.append(f"| {seq} | {'on' if gc_ else 'off'} | " + " | ".join(cells) + " |")
+        out.append("")
+    cmds = sorted({r["command"] for r in mine if r.get("command")})
+    out += [*(f"Command: `{c}`" for c in cmds), ""]
+    return out
 
 
 def _child(argv: list[str]) -> int:
@@ -197,7 +368,7 @@ def _child(argv: list[str]) -> int:
     try:
         report(status="ok", **_measure(c))
     except MespError as e:
-        report(status="skipped", reason=str(e), config=asdict(c))
+        report(status="failed", reason=str(e), config=asdict(c))
     return 0
 
 

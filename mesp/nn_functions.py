@@ -224,9 +224,12 @@ class _LinearCE(torch.autograd.Function):
 
 
 def _tensor_head(w: Tensor) -> FrozenWeight:
-    """A FrozenWeight viewing w's storage; built on the meta device so nothing is allocated."""
+    """A FrozenWeight viewing w's storage. Its constructor's placeholder is (0, 0), not (V, D):
+    even a meta-device placeholder of full size is a storage the exact tracker counts (meta
+    tensors stand for real bytes there), which put a phantom V×D head into every peak."""
     with torch.device("meta"):
-        fw = FrozenWeight(w.shape[0], w.shape[1], w.dtype)
+        fw = FrozenWeight(0, 0, w.dtype)
+    fw.out_features, fw.in_features = w.shape
     fw.set_dense(w.detach())
     return fw
 

@@ -69,3 +69,52 @@ def test_bench_dequant_rows_and_report(tmp_path: Path) -> None:
     assert row["ratio"] == row["dequant_ms"] / row["matmul_ms"]
     text = "\n".join(bench_dequant.section([row]))
     assert "mesp bench dequant" in text and "| bfloat16 | 64x128 | 4 |" in text
+
+
+def test_bench_dropin_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mesp bench dropin --quick` on the tiny Qwen2 shape: one row per configuration under
+    rows/dropin with its command, the patch really applied, the report section, and the meta
+    device's exact peak equal to the CPU's in every configuration. The children run in this
+    process here (the CLI runs each in its own)."""
+    import torch.nn.functional as F
+    import transformers.masking_utils as mu
+
+    from mesp import dropin_bench
+
+    # the meta run's shims replace these module attributes: restore them after the test
+    monkeypatch.setattr(F, "scaled_dot_product_attention", F.scaled_dot_product_attention)
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", mu.find_packed_sequence_indices)
+
+    def in_process(argv: list[str], **_: object) -> dict:
+        c = dropin_bench.DropinConfig(**json.loads(argv[-1]))
+        return {"status": "ok", **dropin_bench._measure(c)}
+
+    monkeypatch.setattr(dropin_bench, "run_child", in_process)
+    md = tmp_path / "BENCHMARKS.md"
+    parser = argparse.ArgumentParser(prog="mesp")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    argv = ["bench", "dropin", "--quick", "--seq", "32", "--steps", "1", "--out", str(tmp_path)]
+    assert run(parser.parse_args([*argv, "--markdown", str(md)])) == 0
+    assert run(parser.parse_args([*argv, "--device", "meta"])) == 0
+    metas = sorted((tmp_path / "rows" / "dropin").glob("*_meta.json"))
+    files = sorted(set((tmp_path / "rows" / "dropin").glob("*.json")) - set(metas))
+    loaded = [json.loads(f.read_text()) for f in files]
+    rows = {dropin_bench.config_name(r["config"]): r for r in loaded}
+    assert set(rows) == {"unpatched", "unpatched+gc", "patched", "patched+gc"} and len(files) == 4
+    for name, r in rows.items():
+        assert r["status"] == "ok" and r["table"] == "dropin", (name, r.get("reason"))
+        assert r["command"].startswith("mesp bench dropin --shapes tiny-qwen2 --seq 32")
+        e = r["exact"]
+        assert e["total"] == e["weights"] + e["adapter"] + e["working"] and e["working"] > 0
+        assert r["patched_modules"] == (2 * 8 if r["config"]["patched"] else 0)
+        assert r["time_s"] > 0 and r["cpu_s"] >= 0
+    for r in map(json.loads, map(Path.read_text, metas)):
+        assert r["status"] == "ok" and r["time_s"] is None
+        assert r["exact"] == rows[dropin_bench.config_name(r["config"])]["exact"]
+    for gc in ("", "+gc"):
+        u, p = rows[f"unpatched{gc}"], rows[f"patched{gc}"]
+        assert p["exact"]["working"] < u["exact"]["working"]
+        assert p["losses"][0] == pytest.approx(u["losses"][0], rel=1e-5)  # same first step
+    text = md.read_text()
+    assert "## Drop-in: HF + PEFT" in text and "Command: `mesp bench dropin" in text
+    assert "| 32 | patched+gc |" in text and "| 32 | on |" in text  # CPU rows win over meta

@@ -328,9 +328,38 @@ def test_bf16_base_with_fp32_adapters() -> None:
         )
 
 
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often the patched model's paths ran: mesp.patch's lora_linear (PEFT layers) and
+    linear_cross_entropy (the loss head), mesp.nn's lora_gated_mlp (the fused MLP)."""
+    import importlib
+
+    nn_mod = importlib.import_module("mesp.nn")
+    patch_mod = importlib.import_module("mesp.patch")  # `mesp.patch` is also the function
+    counts = {"lora_linear": 0, "linear_cross_entropy": 0, "lora_gated_mlp": 0}
+
+    def counting(module: Any, name: str) -> None:
+        fn = getattr(module, name)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            counts[name] += 1
+            return fn(*a, **kw)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counting(patch_mod, "lora_linear")
+    counting(patch_mod, "linear_cross_entropy")
+    counting(nn_mod, "lora_gated_mlp")
+    return counts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_trainer_losses_match(tmp_path: Path, checkpointing: bool) -> None:
-    """20 optimizer steps of HF Trainer (AdamW, gradient accumulation 2: num_items_in_batch)."""
+def test_trainer_losses_match(
+    tmp_path: Path, checkpointing: bool, family: str, calls: dict[str, int]
+) -> None:
+    """20 optimizer steps of HF Trainer (AdamW, gradient accumulation 2: num_items_in_batch),
+    and the patched run really went through mesp's functions, not PEFT's/HF's fallbacks."""
     from transformers import Trainer, TrainingArguments
 
     g = torch.Generator().manual_seed(5)
@@ -342,7 +371,7 @@ def test_trainer_losses_match(tmp_path: Path, checkpointing: bool) -> None:
         rows.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)})
 
     def run(patched: bool) -> list[float]:
-        model = peft_model("qwen2")
+        model = peft_model(family)
         if patched:
             patch(model)
         losses: list[float] = []
@@ -369,9 +398,43 @@ def test_trainer_losses_match(tmp_path: Path, checkpointing: bool) -> None:
                 disable_tqdm=True,
                 seed=0,
             )
-            Recording(model=model, args=args, train_dataset=rows).train()
+            trainer = Recording(model=model, args=args, train_dataset=rows)
+            trainer.train()
+        if patched:  # still patched after Trainer's setup (checkpointing, PEFT hooks)
+            rec = patch_record(trainer.model)
+            assert rec is not None and rec.loss and not rec.skipped
+            assert len(rec.names) == 2 * 8  # 7 LoRA linears + 1 MLP per layer
         return losses
 
-    ref, got = run(False), run(True)
+    ref = run(False)
+    assert calls == dict.fromkeys(calls, 0)  # the unpatched model never calls mesp
+    got = run(True)
     assert len(ref) == 40
+    # every micro-batch's loss came from the chunked head, every layer's MLP was fused, and every
+    # LoRA projection ran lora_linear (twice per forward with checkpointing: the recompute)
+    n_mlp = 2 * 40 * (2 if checkpointing else 1)
+    assert calls["linear_cross_entropy"] == 40
+    assert calls["lora_gated_mlp"] == n_mlp
+    assert calls["lora_linear"] == 4 * n_mlp  # q, k, v, o per layer
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=0, atol=1e-5)
+
+
+def test_linear_cross_entropy_peak_has_no_head_placeholder() -> None:
+    """A tensor head is wrapped as a FrozenWeight without allocating anything of its size: the
+    exact tracker (which counts meta tensors too) must see only the chunk's logits and dh."""
+    from mesp.memory_tracker import measure_peak
+
+    V, D, N = 8192, 256, 8
+    head = torch.randn(V, D) * 0.02
+    h = torch.randn(1, N, D, requires_grad=True)
+    labels = torch.randint(0, V, (1, N))
+
+    def step() -> None:
+        linear_cross_entropy(h, head, labels, shift=True).backward()
+
+    step()  # h.grad exists before the measured step
+    peak = measure_peak(step, weights=[head], adapter=lambda: [h, h.grad])
+    assert peak["weights"] == V * D * 4
+    # logits, softmax and dh of N rows: a few N × V blocks, far from the V × D head (8 MiB)
+    assert peak["working"] < 8 * N * V * 4 < V * D * 4
+    assert peak["total"] < 2 * V * D * 4
