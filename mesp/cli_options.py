@@ -49,6 +49,13 @@ class EngineOptions:
     )
     zo_eps: float = field(default=1e-2, metadata={"help": "mezo: perturbation size"})
     zo_samples: int = field(default=1, metadata={"help": "mezo: SPSA probes per step"})
+    zo_full: bool = field(
+        default=False,
+        metadata={
+            "help": "mezo: perturb and train every weight, not only the adapters (needs "
+            "--quantize none; the trained model is written to ADAPTER_OUT/model)"
+        },
+    )
     loss: str = field(
         default="ce",
         metadata={

@@ -36,12 +36,15 @@ def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
             opts.update(stream_weights=True, offload_dir=ns.offload_dir)
     elif ns.stream_weights:
         raise MespError("--stream-weights needs --engine mesp")
+    if ns.zo_full and (ns.engine != "mezo" or ns.quantize != "none"):
+        raise MespError("--zo-full needs --engine mezo and --quantize none (an unquantized base)")
     if ns.stream_weights or (ns.offload == "disk" and not ns.offload_fallback):
         _check_spill_dir(ns)
     if ns.engine == "mezo":  # lr comes from the trainer's schedule each step (set_lr)
         opts.update(
             eps=ns.zo_eps,
             samples=ns.zo_samples,
+            perturb_all=ns.zo_full,
             seed=getattr(ns, "seed", 0),
             weight_decay=getattr(ns, "weight_decay", 0.0),
         )
@@ -122,6 +125,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         splits = load_splits(data_cfg, tok)
         pad = pad_id_of(tok)
         n_params = apply_lora(model, lora_cfg, seed=ns.seed)
+        if ns.zo_full:
+            _full_model_dir(model, tok, out, resume is not None, main)
         ranks = f", {dp.world} ranks" if dp is not None else ""
         say(
             f"mesp: {loaded.source} ({model.config.family}, {opts.quantize}-bit base, "
@@ -185,6 +190,30 @@ def cmd_train(ns: argparse.Namespace) -> int:
         f"adapter in {out}"
     )
     return 0
+
+
+def _full_model_dir(model, tok, out: Path, resuming: bool, main: bool) -> None:  # type: ignore[no-untyped-def]
+    """--zo-full trains the base weights too: they are saved (beside the adapter) as a model
+    directory in OUT/model at every checkpoint; a resume reads them back from there."""
+    from mesp.merge import write_tokenizer
+
+    d = out / "model"
+    if resuming:
+        from safetensors.torch import load_file
+
+        f = d / "model.safetensors"
+        if not f.exists():
+            raise MespError(f"{f}: missing; --zo-full resumes its trained weights from there")
+        modules = dict(model.named_modules())
+        for name, t in load_file(str(f)).items():
+            mod_name, attr = name.rsplit(".", 1)
+            if mod_name not in modules:
+                raise MespError(f"{f}: tensor {name} does not belong to this model")
+            getattr(modules[mod_name], attr).copy_(t)
+    elif main:
+        d.mkdir(parents=True, exist_ok=True)
+        if tok is not None:
+            write_tokenizer(tok, d)
 
 
 def _engine_defaults(ns: argparse.Namespace) -> None:

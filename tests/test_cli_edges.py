@@ -259,3 +259,31 @@ def test_analyze_grads_convergence_runs_both_engines_from_one_start(
     assert runs["mesp"]["valid_loss"][0] == runs["mezo"]["valid_loss"][0]  # one start
     lrs = [json.loads(x).get("lr") for x in (out / "mezo" / "log.jsonl").read_text().splitlines()]
     assert 1e-4 in lrs  # mezo trained at its own lr, not mesp's
+
+
+def test_mezo_zo_full_trains_every_weight_and_resumes_bit_for_bit(
+    env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--zo-full: SPSA over every weight of an unquantized base; the trained base is a model
+    directory beside the adapter, and a resume reads it back (2 + 2 steps == 4 steps)."""
+    import torch
+
+    from mesp.loading import load_model
+
+    assert _train(env, tmp_path / "q", "--engine", "mezo", "--zo-full", "--quantize", "4") == 2
+    assert "--zo-full needs" in capsys.readouterr().err
+    full = ["--engine", "mezo", "--zo-full", "--lr", "1e-2", "--warmup", "0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _train(env, one, *full, "--steps", "4") == 0
+    assert _train(env, two, *full, "--steps", "2") == 0
+    assert main(["train", "--resume", str(two), "--steps", "4"]) == 0
+    base = load_model(env["model"]).model.state_dict()
+    a, b = (
+        load_model(one / "model").model.state_dict(),
+        load_model(two / "model").model.state_dict(),
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], base[k]) for k in a)  # the base itself was trained
+    ad1 = load_file(str(one / "adapter_model.safetensors"))
+    ad2 = load_file(str(two / "adapter_model.safetensors"))
+    assert all(torch.equal(ad1[k], ad2[k]) for k in ad1)
