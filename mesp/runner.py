@@ -223,6 +223,10 @@ def read_rows(path: Path, seq_len: int, vocab: int) -> list[tuple[list[int], lis
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise RunnerError(f"{where}: not JSON ({e.msg})") from None
+        except (ValueError, RecursionError):  # a 5000-digit number, nesting past the stack
+            raise RunnerError(
+                f"{where}: not JSON (a number too long or nesting too deep)"
+            ) from None
         ids = row.get("input_ids") if isinstance(row, dict) else None
         if not isinstance(ids, list) or not all(type(x) is int and 0 <= x < vocab for x in ids):
             raise RunnerError(f'{where}: "input_ids" must be a list of token ids in 0..{vocab - 1}')

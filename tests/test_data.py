@@ -532,11 +532,6 @@ def test_runner_read_rows_gives_rows_or_one_error(data: bytes) -> None:
         assert mask[0] == 0 and set(mask) <= {0, 1} and all(type(m) is int for m in mask)
 
 
-@pytest.mark.xfail(
-    raises=RecursionError,
-    strict=False,
-    reason="mesp/runner.py read_rows catches only JSONDecodeError from json.loads",
-)
 def test_runner_deeply_nested_row_is_one_error(tmp_path: Path) -> None:
     from mesp.runner import RunnerError, read_rows
 
