@@ -253,6 +253,8 @@ def _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg) -> int | None:  # typ
 
     budget = parse_bytes(ns.max_memory)
     cfg = config_of(opts)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # a data-parallel rank holds its slice
+    rows = -(-train_cfg.batch_size // world)
 
     def need(engine: str, seq: int, rank: int) -> int:
         return int(
@@ -260,7 +262,7 @@ def _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg) -> int | None:  # typ
                 cfg,
                 engine,
                 seq,
-                train_cfg.batch_size,
+                rows,
                 rank,
                 lora_cfg.targets,
                 opts.quant,
@@ -281,8 +283,9 @@ def _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg) -> int | None:  # typ
     ]
     if fits:
         hints.append(f"--seq-len {fits[-1]}")
-    if rank > 1 and need(ns.engine, seq, 1) <= budget:
-        hints.append("a lower --rank")
+    ranks = [r for r in (32, 16, 8, 4, 2, 1) if r < rank and need(ns.engine, seq, r) <= budget]
+    if ranks:
+        hints.append(f"--rank {ranks[0]}")
     raise MespError(
         f"--max-memory {ns.max_memory}: engine {ns.engine} at --seq-len {seq}, rank {rank} "
         f"needs about {have / 2**20:.0f} MiB; "
