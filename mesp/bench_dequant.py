@@ -112,7 +112,19 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
             f"| {c['dtype']} | {c['out_features']}x{c['in_features']} | {c['tokens']} | "
             f"{r['dequant_ms']:.3f} | {r['matmul_ms']:.3f} | {r['ratio']:.2f} |"
         )
-    return [*lines, ""]
+    notes = []
+    for tokens in sorted({r["config"]["tokens"] for r in ok}):
+        ratios = [r["ratio"] for r in ok if r["config"]["tokens"] == tokens]
+        notes.append(
+            f"- {tokens} token(s): dequantize / matmul from {min(ratios):.2f} to "
+            f"{max(ratios):.2f}."
+        )
+    notes.append(
+        "- A ratio above 1 means the matmul (which reads the weight once) is cheaper than "
+        "rebuilding the dense weight: per-token generation would want a fused low-bit matmul; "
+        "training rows of a few hundred tokens amortize the dequantization."
+    )
+    return [*lines, "", *notes, ""]
 
 
 __all__ = ["DequantConfig", "line", "measure", "run_dequant", "section"]
