@@ -200,8 +200,14 @@ def test_max_memory_stops_mid_run_saves_and_resumes(
     """A budget the planner accepts (the tiny model's tensors need ~2 MiB) but the measured
     peak (weights + what training adds to RSS) crosses: stop at step 1, save, resume later."""
     out = tmp_path / "out"
-    assert _train(env, out, "--steps", "3", "--max-memory", "3MB") == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    # a fresh process: in pytest's, earlier tests' freed heap would absorb the step's growth
+    argv = ["train", "--model", str(env["model"]), "--data", str(env["data"]), *FAST]
+    argv += ["--adapter-out", str(out), "--steps", "3", "--max-memory", "3MB"]
+    r = subprocess.run(
+        [sys.executable, "-m", "mesp", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()[-1]
     assert "crossed --max-memory" in err and "at step 1" in err, err
     assert (out / "adapter_model.safetensors").exists()
     assert main(["train", "--resume", str(out), "--max-memory", "2GB"]) == 0
