@@ -116,8 +116,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     for tokens in sorted({r["config"]["tokens"] for r in ok}):
         ratios = [r["ratio"] for r in ok if r["config"]["tokens"] == tokens]
         notes.append(
-            f"- {tokens} token(s): dequantize / matmul from {min(ratios):.2f} to "
-            f"{max(ratios):.2f}."
+            f"- {tokens} token(s): dequantize / matmul from {min(ratios):.2f} to {max(ratios):.2f}."
         )
     notes.append(
         "- A ratio above 1 means the matmul (which reads the weight once) is cheaper than "

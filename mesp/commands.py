@@ -477,7 +477,7 @@ def cmd_grad(ns: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     rows = load_splits(cfg, tok)["train"][: ns.batch_size]
-    batch = collate(rows, pad_id_of(tok)).to(next(model.buffers()).device)
+    batch = collate(rows, pad_id_of(tok)).to(model.device)
     loss = engine.step(model, batch, batch.n_tokens)
     grads = {
         k: p.grad.contiguous()

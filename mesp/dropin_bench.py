@@ -31,16 +31,8 @@ from typing import Any
 
 from mesp.errors import MespError
 from mesp.memory_rss import report, run_child
+from mesp.models.transformer import LORA_TARGETS
 
-LORA_TARGETS = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-]
 # (patched, checkpointing) in table order: each patched run right after its baseline.
 CONFIGS = ((False, False), (True, False), (False, True), (True, True))
 MIB = 1 << 20
@@ -111,7 +103,7 @@ def _measure(c: DropinConfig) -> dict[str, Any]:
         raise MespError(f"the drop-in benchmark builds Qwen2 shapes only, not {c.shape!r}")
     torch.manual_seed(c.seed)
     lcfg = LoraConfig(
-        r=c.rank, lora_alpha=2 * c.rank, lora_dropout=0.0, target_modules=LORA_TARGETS
+        r=c.rank, lora_alpha=2 * c.rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
     )
     with torch.device(c.device):
         hf = tf.AutoModelForCausalLM.from_config(tf.Qwen2Config(**d), dtype=dtype)

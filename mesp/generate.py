@@ -21,7 +21,7 @@ def generate(
     model.eval()
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(k=[None] * len(model.layers), v=[None] * len(model.layers))
-    dev = next(model.buffers()).device
+    dev = model.device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     logits = model(ids, cache=cache, start=0)[0, -1]
     out: list[int] = []

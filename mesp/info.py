@@ -43,10 +43,10 @@ def stored_quant(opts: ModelOptions) -> QuantSpec | None:
     f = Path(resolve(opts.model) or opts.model) / "config.json"
     if not f.is_file():
         return None
+    from mesp.loading.safetensors_dir import quant_spec
+
     q = json.loads(f.read_text()).get("quantization")
-    if isinstance(q, dict) and "bits" in q:
-        return QuantSpec(int(q["bits"]), int(q.get("group_size", 64)))
-    return None
+    return quant_spec(q, f) if isinstance(q, dict) and "bits" in q else None
 
 
 def weight_bytes(cfg: ModelConfig, quant: QuantSpec | None, dtype: torch.dtype) -> dict[str, int]:

@@ -180,9 +180,10 @@ def load_adapter(model: CausalLM, adapter_dir: Path) -> LoraConfig:
 
 
 @torch.no_grad()
-def merge_lora(model: CausalLM) -> None:
-    """Fold s·BA into each base weight and drop the adapters (a quantized base is requantized)."""
+def merge_lora(model: CausalLM, keep_quant: bool = True) -> None:
+    """Fold s·BA into each base weight (in float32) and drop the adapters; a quantized base
+    is requantized at its own spec, or left dense with keep_quant=False."""
     for mod in model.lora_modules().values():
         w = mod.dense(torch.float32) + mod.lora_scale * (mod.lora_B.float() @ mod.lora_A.float())
-        mod.set_dense(w.to(model.dtype), mod.quant)
+        mod.set_dense(w.to(model.dtype), mod.quant if keep_quant else None)
         mod.remove_lora()

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from mesp.atomic_io import atomic_write
 from mesp.loading.build import expected_tensors
+from mesp.lora import merge_lora
 from mesp.models.linear import FrozenWeight
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
@@ -33,10 +34,7 @@ ARCHITECTURES = {
 def merge_into_base(model: CausalLM, quant: QuantSpec | None) -> None:
     """Fold s·BA into each adapted weight in float32, drop the adapters, then store every
     frozen weight at `quant` (None: dense in the model's dtype, the exact merged model)."""
-    for mod in model.lora_modules().values():
-        w = mod.dense(torch.float32) + mod.lora_scale * (mod.lora_B.float() @ mod.lora_A.float())
-        mod.set_dense(w.to(model.dtype), None)
-        mod.remove_lora()
+    merge_lora(model, keep_quant=False)
     for mod in model.modules():
         if isinstance(mod, FrozenWeight) and (quant is not None or mod.quant is not None):
             mod.set_dense(mod.dense(), quant)

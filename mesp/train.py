@@ -80,10 +80,6 @@ class TrainResult:
     seconds: float
 
 
-def model_device(model: CausalLM) -> torch.device:
-    return next(model.buffers()).device
-
-
 @torch.no_grad()
 def evaluate(
     model: CausalLM,
@@ -97,7 +93,7 @@ def evaluate(
     `dp`, every rank scores its share of the batches and the sums are all-reduced (all ranks
     must call it): no rank waits out the others' evaluation in a collective."""
     total, n = 0.0, 0
-    dev = model_device(model)
+    dev = model.device
     for i, batch in enumerate(iter_eval_batches(examples, batch_size, pad_id=pad_id)):
         if max_batches and i >= max_batches:
             break
@@ -179,7 +175,7 @@ def train(
     base_rss = current_rss_bytes() - weights
     if max_memory is not None:
         reset_peak_rss()
-    dev = model_device(model)
+    dev = model.device
     updates_itself = getattr(engine, "updates_params", False)  # mezo: no gradient tensors
 
     def log(row: dict[str, Any]) -> None:

@@ -67,11 +67,11 @@ def read_safetensors_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict]:
     src = TensorSource(where.keys(), get, str(path))
     q = raw.get("quantization") or raw.get("quantization_config")
     if isinstance(q, dict) and "bits" in q:
-        src.quant = _quant_spec(q, cfg_path)
+        src.quant = quant_spec(q, cfg_path)
     return cfg, src, raw
 
 
-def _quant_spec(q: dict, cfg_path: Path) -> QuantSpec:
+def quant_spec(q: dict, cfg_path: Path) -> QuantSpec:
     """config.json's MLX "quantization" block ({"bits": 4, "group_size": 64})."""
     bits, group = q["bits"], q.get("group_size", 64)
     if type(bits) is not int or type(group) is not int:

@@ -224,6 +224,11 @@ class CausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
+    @property
+    def device(self) -> torch.device:
+        """Where the frozen weights live (batches and generated ids follow them)."""
+        return next(self.buffers()).device
+
     def head_weight(self) -> FrozenWeight:
         return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
