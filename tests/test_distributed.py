@@ -76,7 +76,9 @@ def test_two_ranks_equal_one_process(engine: str, port: int, tmp_path: Path) -> 
         "--master-port",
         str(port),
     )
-    assert two.returncode == 0, two.stderr[-2000:]
+    # torchrun's own traceback fills the tail of stderr: show each rank's mesp line first
+    ranks = [ln for ln in two.stderr.splitlines() if "mesp:" in ln or "Error" in ln]
+    assert two.returncode == 0, "\n".join(ranks[-20:]) + "\n---\n" + two.stderr[-2000:]
     a = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
     assert a.keys() == b.keys()
