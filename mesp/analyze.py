@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mesp.data_batches import Batch, Example
+from mesp.batch import Batch, Example
 from mesp.engines import make_engine
 from mesp.engines.mezo import MeZOEngine, perturbed_tensors
 from mesp.errors import MespError

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mesp.data_batches import Batch, keep_last_fraction
+from mesp.batch import Batch, keep_last_fraction
 from mesp.errors import MespError
 from mesp.memory_rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
 from mesp.memory_tracker import LiveTensorTracker, adapter_tensors

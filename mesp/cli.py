@@ -9,7 +9,7 @@ import sys
 
 from mesp.cli_args import add_dataclass_args, apply_config_defaults, apply_resume_defaults
 from mesp.errors import MespError
-from mesp.session import ModelOptions
+from mesp.loading.session import ModelOptions
 from mesp.train import Interrupted
 
 

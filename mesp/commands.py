@@ -17,7 +17,7 @@ from mesp.atomic_io import atomic_write
 from mesp.checkpoint import check_fingerprint, load_state
 from mesp.cli_args import from_args
 from mesp.errors import MespError
-from mesp.session import ModelOptions, open_model
+from mesp.loading.session import ModelOptions, open_model
 
 
 def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
@@ -78,7 +78,7 @@ def _check_seq_len(model, seq_len: int) -> None:  # type: ignore[no-untyped-def]
 
 
 def cmd_info(ns: argparse.Namespace) -> int:
-    from mesp.info import model_info
+    from mesp.loading.info import model_info
 
     if ns.model_arg:  # `mesp info MODEL`
         ns.model = ns.model_arg
@@ -247,7 +247,7 @@ def _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg) -> int | None:  # typ
     naming a change that would; returns the budget in bytes for the trainer to watch."""
     if not ns.max_memory:
         return None
-    from mesp.info import config_of
+    from mesp.loading.info import config_of
     from mesp.memory_model import predict
     from mesp.plan_cli import parse_bytes
 
@@ -436,8 +436,8 @@ def cmd_merge(ns: argparse.Namespace) -> int:
 
 
 def cmd_grad(ns: argparse.Namespace) -> int:
+    from mesp.batch import collate
     from mesp.data import DataConfig, load_splits, pad_id_of
-    from mesp.data_batches import collate
     from mesp.engines import make_engine
     from mesp.lora import LoraConfig, adapter_state, apply_lora, check_output_dir
 

@@ -9,7 +9,7 @@ Row formats (one JSON object per line, as mlx-lm's `lora` reads them):
   {"input_ids": [...], "loss_mask": [...]}  pre-tokenized; loss_mask (0/1, optional) aligned
                                     with input_ids, 1 = token is a trained target
 Errors are one-line `MespError`s that name FILE:LINE, so a bad row in a big file is findable.
-Batching, packing and the resumable stream live in `mesp.data_batches`.
+Batching, packing and the resumable stream live in `mesp.batch`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mesp.data_batches import (
+from mesp.batch import (
     Batch,
     BatchStream,
     Example,
@@ -34,7 +34,7 @@ from mesp.data_batches import (
     iter_eval_batches,
 )
 from mesp.errors import MespError
-from mesp.tokenizer import Tokenizer
+from mesp.loading.tokenizer import Tokenizer
 
 __all__ = [
     "Batch",

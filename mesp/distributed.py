@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.errors import MespError
 
 

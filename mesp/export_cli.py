@@ -15,8 +15,8 @@ from mesp.errors import MespError
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from mesp import runner
     from mesp.export import ExportOptions
+    from mesp.loading.session import ModelOptions
     from mesp.lora import LoraConfig
-    from mesp.session import ModelOptions
 
     s = sub.add_parser(
         "export", help="per-block weights + torch.export programs for `mesp run-artifacts`"
@@ -48,8 +48,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.cmd != "export":
         raise MespError(f"unknown command {ns.cmd!r}")
     from mesp.export import ExportOptions, export_model
+    from mesp.loading.session import ModelOptions, open_model
     from mesp.lora import LoraConfig, apply_lora, load_adapter
-    from mesp.session import ModelOptions, open_model
 
     opts = from_args(ExportOptions, ns)
     loaded = open_model(from_args(ModelOptions, ns), seed=ns.seed)
@@ -83,7 +83,7 @@ def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> dict[s
     the tensors read from the model or the artifact files; working is everything else the step
     allocates (activations, checkpoints, temporaries, dequantized weights)."""
     from mesp import runner
-    from mesp.data_batches import Example, collate
+    from mesp.batch import Example, collate
     from mesp.engines import make_engine
     from mesp.memory_tracker import LiveTensorTracker, adapter_tensors
 

@@ -8,7 +8,7 @@ W(o, i; x) is dequantizing an o×i weight and then allocating x bytes: o·i·e +
 (the 4-bit nibble plane is freed before x exists); a dense base is used in place: x.
 
 State, live for the whole step:
-  weights      `mesp.info.weight_bytes` (packed when quantized)
+  weights      `mesp.loading.info.weight_bytes` (packed when quantized)
   adapter      Σ_layers Σ_targets r·(in + out)·e;  grads the same (none for mezo)
   optimizer    AdamW 2 × adapter (exp_avg, exp_avg_sq); SGD and mezo 0
   checkpoints  mebp, mesp: L·T·D·e (each block's input; the last output is held beside them)
@@ -56,7 +56,7 @@ import torch
 
 from mesp.config import SLIDING, ModelConfig
 from mesp.errors import MespError
-from mesp.info import weight_bytes
+from mesp.loading.info import weight_bytes
 from mesp.models import FAMILIES
 from mesp.models.transformer import LORA_TARGETS
 from mesp.quant import QuantSpec

@@ -16,11 +16,11 @@ from safetensors.torch import save_file
 
 from mesp.atomic_io import atomic_write
 from mesp.loading.build import expected_tensors
+from mesp.loading.tokenizer import Tokenizer
 from mesp.lora import merge_lora
 from mesp.models.linear import FrozenWeight
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
-from mesp.tokenizer import Tokenizer
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

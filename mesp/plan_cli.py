@@ -14,7 +14,7 @@ import torch
 from mesp.cli_args import add_dataclass_args, from_args
 from mesp.config import ModelConfig
 from mesp.errors import MespError
-from mesp.session import DTYPES, ModelOptions
+from mesp.loading.session import DTYPES, ModelOptions
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -39,7 +39,7 @@ def parse_bytes(text: str) -> int:
 def model_config(model: str) -> tuple[ModelConfig, str]:
     """--model as a named shape (qwen2.5-0.5b, random:…), a config.json, or anything
     `mesp info` reads (model dir, .gguf, wheel name)."""
-    from mesp.info import config_of
+    from mesp.loading.info import config_of
     from mesp.loading.zoo import SHAPES, random_shape
 
     name = model.removeprefix("random:")
@@ -136,8 +136,8 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def _batches(ns: argparse.Namespace, loaded) -> list:  # type: ignore[no-untyped-def]
+    from mesp.batch import Batch, collate
     from mesp.data import DataConfig, load_splits, pad_id_of
-    from mesp.data_batches import Batch, collate
 
     k, b, s = ns.batches, ns.batch_size, ns.seq_len
     if loaded.tokenizer is None:  # random:SHAPE: nothing to tokenize with
@@ -157,8 +157,8 @@ def _batches(ns: argparse.Namespace, loaded) -> list:  # type: ignore[no-untyped
 
 def run_analyze_grads(ns: argparse.Namespace) -> int:
     from mesp.analyze import analyze_grads, write_analysis
+    from mesp.loading.session import open_model
     from mesp.lora import LoraConfig, apply_lora
-    from mesp.session import open_model
 
     _positive(ns, "batches", "seq_len", "batch_size", "rank")
     try:
@@ -186,8 +186,8 @@ def _run_convergence(ns: argparse.Namespace) -> int:
     init and batch order: valid loss by step and by training second."""
     from mesp.analyze import convergence
     from mesp.data import DataConfig, load_splits, pad_id_of
+    from mesp.loading.session import open_model
     from mesp.lora import LoraConfig, apply_lora
-    from mesp.session import open_model
     from mesp.train import TrainConfig
 
     _positive(ns, "convergence", "seq_len", "batch_size", "rank", "eval_batches")

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from mesp.batch import BatchStream, Example, iter_eval_batches, keep_last_fraction
 from mesp.checkpoint import TrainState, restore, save_state
-from mesp.data_batches import BatchStream, Example, iter_eval_batches, keep_last_fraction
 from mesp.distributed import DataParallel
 from mesp.engines import Engine
 from mesp.errors import MespError

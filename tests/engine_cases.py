@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.lora import LoraConfig, apply_lora
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mesp.analyze import analyze_grads, convergence, exact_gradient, write_analysis
-from mesp.data_batches import Example
+from mesp.batch import Example
 from mesp.engines import make_engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig

@@ -100,9 +100,9 @@ def test_grad_equals_hf_peft_autograd(model_dir: Path, data: Path, tmp_path: Pat
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
+    from mesp.batch import collate
     from mesp.data import DataConfig, load_splits, pad_id_of
-    from mesp.data_batches import collate
-    from mesp.tokenizer import Tokenizer
+    from mesp.loading.tokenizer import Tokenizer
 
     hf = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     peft = get_peft_model(

@@ -30,7 +30,7 @@ from mesp.data import (
     split_off_valid,
 )
 from mesp.errors import MespError
-from mesp.tokenizer import Tokenizer
+from mesp.loading.tokenizer import Tokenizer
 from tests.test_fuzz_headers import time_bound
 
 CORPUS = [
@@ -214,7 +214,7 @@ def test_txt_chunking_covers_every_token_once(tok: Tokenizer, tmp_path: Path) ->
 def test_rows_start_with_bos_for_models_that_want_it() -> None:
     """Gemma-style tokenizers (add BOS): every packed row is BOS + the next tokens, and each
     stream token is still a target exactly once; a row already at a BOS keeps just one."""
-    from mesp.data_batches import Example
+    from mesp.batch import Example
 
     bos = 2
     docs = [Example([bos, *range(10, 30)], [0] + [1] * 20), Example([bos, 40, 41], [0, 1, 1])]
@@ -577,7 +577,7 @@ def test_default_dataset_missing_package(tok: Tokenizer, monkeypatch: pytest.Mon
 def test_keep_last_fraction_masks_all_but_the_tail() -> None:
     import torch
 
-    from mesp.data_batches import Batch, keep_last_fraction
+    from mesp.batch import Batch, keep_last_fraction
 
     mask = torch.tensor(
         [[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]],

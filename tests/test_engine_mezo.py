@@ -141,7 +141,7 @@ def test_non_finite_loss_leaves_theta() -> None:
 
 
 def test_trains_through_the_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from mesp.data_batches import Example
+    from mesp.batch import Example
     from mesp.lora import LoraConfig
     from mesp.train import TrainConfig, train
 

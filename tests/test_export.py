@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mesp import runner
-from mesp.data_batches import Example, collate
+from mesp.batch import Example, collate
 from mesp.engines import make_engine
 from mesp.export import ExportOptions, export_model
 from mesp.lora import load_adapter

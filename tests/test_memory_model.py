@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mesp.batch import Batch
 from mesp.config import ModelConfig
-from mesp.data_batches import Batch
 from mesp.engines import make_engine
 from mesp.errors import MespError
-from mesp.info import weight_bytes
 from mesp.loading import random_model
+from mesp.loading.info import weight_bytes
 from mesp.loading.zoo import SHAPES
 from mesp.lora import LoraConfig, apply_lora
 from mesp.memory_model import (

@@ -10,10 +10,10 @@ import torch
 
 from mesp.cli import main
 from mesp.loading import load_model
+from mesp.loading.tokenizer import Tokenizer
 from mesp.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from mesp.merge import merge_into_base
 from mesp.quant import QuantSpec
-from mesp.tokenizer import Tokenizer
 from tests.tiny_dir import make_model_dir
 
 IDS = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(5))

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mesp.batch import Batch, Example
 from mesp.checkpoint import load_state
-from mesp.data_batches import Batch, Example
 from mesp.engines import make_engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, adapter_state

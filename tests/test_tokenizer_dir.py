@@ -10,7 +10,7 @@ import pytest
 from tokenizers import processors
 
 from mesp.errors import MespError
-from mesp.tokenizer import Tokenizer
+from mesp.loading.tokenizer import Tokenizer
 from tests.tiny_dir import make_tokenizer
 
 

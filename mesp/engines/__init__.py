@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 

@@ -3,7 +3,7 @@ backward. The reference all other engines are checked against."""
 
 from __future__ import annotations
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.engines.loss import LossSpec, autograd_loss_sum, loss_value
 from mesp.models.transformer import CausalLM
 

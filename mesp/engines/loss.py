@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import CEOptions

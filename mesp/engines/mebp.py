@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.engines.loss import LossSpec, autograd_loss_sum, loss_value
 from mesp.engines.offload import CheckpointStore
 from mesp.models.transformer import CausalLM

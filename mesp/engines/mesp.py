@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.engines.loss import LossSpec, loss_value
 from mesp.engines.offload import CheckpointStore
 from mesp.engines.weight_stream import BlockWeightStream

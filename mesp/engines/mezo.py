@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from mesp.data_batches import Batch
+from mesp.batch import Batch
 from mesp.engines.loss import LossSpec, loss_value
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM

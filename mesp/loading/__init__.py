@@ -10,9 +10,9 @@ import torch
 from mesp.config import ModelConfig
 from mesp.errors import MespError
 from mesp.loading.build import TensorSource, build_model
+from mesp.loading.tokenizer import Tokenizer
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
-from mesp.tokenizer import Tokenizer
 
 
 @dataclass

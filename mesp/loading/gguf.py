@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 
 from mesp.errors import MespError
 from mesp.loading.gguf_tokenizer import tokenizer_from_gguf
-from mesp.tokenizer import Tokenizer
+from mesp.loading.tokenizer import Tokenizer
 
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # Q5_0/Q5_1 are here because llama.cpp's Q4_K_M mixes use them (Gemma 3 270M has 81 Q5_0 tensors).

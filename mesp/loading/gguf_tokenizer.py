@@ -1,4 +1,4 @@
-"""Build a `mesp.tokenizer.Tokenizer` from the tokenizer a GGUF file describes in its metadata.
+"""Build a `mesp.loading.tokenizer.Tokenizer` from the tokenizer a GGUF file describes.
 
 A GGUF has no tokenizer.json: it stores tokens, merges (or SentencePiece scores), token types and
 special ids under `tokenizer.ggml.*`. We rebuild the `tokenizers` pipeline the original HF tokenizer
@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from mesp.errors import MespError
-from mesp.tokenizer import Tokenizer
+from mesp.loading.tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types (tokenizer.ggml.token_type)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from mesp.config import ModelConfig
+from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import lora_param_count
 from mesp.models.linear import FrozenWeight
 from mesp.models.transformer import LORA_TARGETS, CausalLM
 from mesp.quant import QuantSpec, quantized_bytes
-from mesp.session import ModelOptions, open_model
 
 
 def config_of(opts: ModelOptions) -> ModelConfig:
