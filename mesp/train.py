@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from mesp.batch import BatchStream, Example, iter_eval_batches, keep_last_fraction
+from mesp.batch import Example, keep_last_fraction
 from mesp.checkpoint import TrainState, restore, save_state
+from mesp.data.batches import BatchStream, iter_eval_batches
 from mesp.distributed import DataParallel
 from mesp.engines import Engine
 from mesp.errors import MespError

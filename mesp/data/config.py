@@ -1,0 +1,70 @@
+"""`DataConfig`: where the data comes from and how rows become fixed-size examples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mesp.errors import MespError
+
+OVERLONG = ("truncate", "drop", "error")
+
+
+@dataclass
+class DataConfig:
+    """Where the data comes from and how rows become fixed-size training examples."""
+
+    path: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--data",
+            "help": (
+                "dir with train.jsonl [valid.jsonl test.jsonl], a .jsonl or .txt file, or a dir of "
+                ".txt files; unset = built-in Shakespeare"
+            ),
+        },
+    )
+    seq_len: int = field(
+        default=512,
+        metadata={"help": "input positions per row; a row holds at most seq_len+1 tokens"},
+    )
+    pack: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "concatenate examples into full seq_len+1 rows; long examples span rows, so the "
+                "overlong policy does not apply (attention crosses example ends)"
+            )
+        },
+    )
+    mask_prompt: bool = field(
+        default=False, metadata={"help": "train only on the completion / final assistant message"}
+    )
+    valid_fraction: float = field(
+        default=0.05,
+        metadata={
+            "help": "share of train rows held out for validation when there is no valid.jsonl"
+        },
+    )
+    overlong: str = field(
+        default="truncate",
+        metadata={
+            "help": "rows longer than seq_len+1: truncate | drop | error",
+            "choices": OVERLONG,
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "shuffling seed for the batch stream"})
+    max_examples: int | None = field(
+        default=None,
+        metadata={"help": "keep at most this many examples per split (for quick runs)"},
+    )
+
+    def validate(self) -> None:
+        """Reject settings that would otherwise fail obscurely later."""
+        if self.seq_len < 1:
+            raise MespError(f"--seq-len must be at least 1, got {self.seq_len}")
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise MespError(f"valid fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.overlong not in OVERLONG:
+            raise MespError(f"overlong policy must be one of {', '.join(OVERLONG)}")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise MespError(f"max examples must be at least 1, got {self.max_examples}")
