@@ -163,7 +163,8 @@ def convergence(
     engine on the same data and TrainConfig `cfg`; valid loss against steps and against
     training seconds (validation excluded), as convergence.json and convergence.png.
     MeZO's lr and weight decay come from engine_opts["mezo"] (default: cfg's)."""
-    from mesp.train import evaluate, train
+    from mesp.training import train
+    from mesp.training.evaluate import evaluate
 
     runs: dict[str, Any] = {}
     for name in engines:

@@ -198,7 +198,7 @@ def _mesp_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step,
     from mesp.loading import random_model
     from mesp.lora import LoraConfig, apply_lora
     from mesp.quant import QuantSpec
-    from mesp.schedule import make_optimizer
+    from mesp.training.schedule import make_optimizer
 
     cfg = ModelConfig.from_hf(shape_dict(c.shape), source=c.shape)
     quant = QuantSpec(c.bits, c.group_size) if c.bits else None
@@ -240,7 +240,7 @@ def _peft_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step,
     from peft import get_peft_model
 
     from mesp.engines.loss import ce_sum
-    from mesp.schedule import make_optimizer
+    from mesp.training.schedule import make_optimizer
 
     d = shape_dict(c.shape)
     if d.pop("model_type") != "qwen2":

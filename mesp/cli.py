@@ -10,7 +10,7 @@ import sys
 from mesp.cli_args import add_dataclass_args, apply_config_defaults, apply_resume_defaults
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions
-from mesp.train import Interrupted
+from mesp.training import Interrupted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     from mesp.data import DataConfig
     from mesp.lora import LoraConfig
-    from mesp.train import TrainConfig
+    from mesp.training import TrainConfig
 
     p = argparse.ArgumentParser(prog="mesp", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)

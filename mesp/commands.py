@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from mesp.atomic_io import atomic_write
-from mesp.checkpoint import check_fingerprint, load_state
 from mesp.cli_args import from_args
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_model
+from mesp.training.checkpoint import check_fingerprint, load_state
 
 
 def _engine_opts(ns: argparse.Namespace) -> dict[str, object]:
@@ -89,10 +89,11 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
 def cmd_train(ns: argparse.Namespace) -> int:
     from mesp.data import DataConfig, load_splits, pad_id_of
-    from mesp.distributed import from_env, shutdown
     from mesp.engines import make_engine
     from mesp.lora import LoraConfig, apply_lora, check_output_dir
-    from mesp.train import TrainConfig, evaluate, train
+    from mesp.training import TrainConfig, train
+    from mesp.training.distributed import from_env, shutdown
+    from mesp.training.evaluate import evaluate
 
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_torchrun(ns)
@@ -352,7 +353,7 @@ def _model_with_adapter(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     from mesp.data import DataConfig, load_splits, pad_id_of
-    from mesp.train import evaluate
+    from mesp.training.evaluate import evaluate
 
     is_file = ns.path is not None and Path(ns.path).is_file()
     # a file is scored whole; a directory (or the built-in set) by its validation split
@@ -374,7 +375,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from mesp.generate import generate
+    from mesp.inference.generate import generate
 
     if not ns.prompt:
         raise MespError("--prompt is empty; give the text to continue")

@@ -188,7 +188,7 @@ def _run_convergence(ns: argparse.Namespace) -> int:
     from mesp.data import DataConfig, load_splits, pad_id_of
     from mesp.loading.session import open_model
     from mesp.lora import LoraConfig, apply_lora
-    from mesp.train import TrainConfig
+    from mesp.training import TrainConfig
 
     _positive(ns, "convergence", "seq_len", "batch_size", "rank", "eval_batches")
     opts = from_args(ModelOptions, ns)

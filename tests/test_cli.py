@@ -227,7 +227,7 @@ def test_eval_generate_info(model_dir: Path, data: Path, capsys: pytest.CaptureF
 
 
 def test_generate_with_cache_equals_full_forward(model_dir: Path) -> None:
-    from mesp.generate import generate
+    from mesp.inference.generate import generate
     from mesp.loading import load_model
 
     model = load_model(model_dir).model

@@ -96,7 +96,7 @@ def test_dead_rank_fails_the_others_promptly_and_the_run_resumes(tmp_path: Path)
     """One rank is SIGKILLed mid-run: the launcher ends with one line saying what to do, within
     a bounded time; resuming on 2 ranks gives bit for bit the adapter of an uninterrupted
     2-rank run (constant schedule: the lr does not depend on --steps)."""
-    from mesp.checkpoint import load_state
+    from mesp.training.checkpoint import load_state
 
     model = make_model_dir(tmp_path / "m", "llama")
     data = make_jsonl(tmp_path / "d.jsonl", 30)

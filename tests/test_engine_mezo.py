@@ -143,7 +143,7 @@ def test_non_finite_loss_leaves_theta() -> None:
 def test_trains_through_the_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from mesp.batch import Example
     from mesp.lora import LoraConfig
-    from mesp.train import TrainConfig, train
+    from mesp.training import TrainConfig, train
 
     model = model_with_adapter("llama")
     g = torch.Generator().manual_seed(0)

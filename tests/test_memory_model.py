@@ -27,7 +27,7 @@ from mesp.memory_model import (
 from mesp.memory_tracker import adapter_tensors, measure_peak
 from mesp.models.transformer import LORA_TARGETS
 from mesp.quant import QuantSpec
-from mesp.schedule import make_optimizer
+from mesp.training.schedule import make_optimizer
 
 Q4 = QuantSpec(4, 64)
 

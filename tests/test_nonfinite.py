@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from mesp.batch import Batch, Example
-from mesp.checkpoint import load_state
 from mesp.engines import make_engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, adapter_state
 from mesp.models.transformer import CausalLM
-from mesp.train import Interrupted, TrainConfig, train
+from mesp.training import Interrupted, TrainConfig, train
+from mesp.training.checkpoint import load_state
 from tests.engine_cases import model_with_adapter
 
 BAD = 3  # the poisoned step

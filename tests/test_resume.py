@@ -81,7 +81,7 @@ def _steps_done(out: Path) -> int:
 
 
 def _saved_step(out: Path) -> int:
-    from mesp.checkpoint import load_state
+    from mesp.training.checkpoint import load_state
 
     return load_state(out).step
 
@@ -91,13 +91,13 @@ def _saved_step(out: Path) -> int:
 # knows which steps were done but not saved, with nothing after the kill able to run.
 KILL_AFTER = """
 import os, signal, sys
-import mesp.train
-k, lr_factor = int(os.environ["MESP_TEST_KILL_AFTER"]), mesp.train.lr_factor
+import mesp.training.loop
+k, lr_factor = int(os.environ["MESP_TEST_KILL_AFTER"]), mesp.training.loop.lr_factor
 def at_step(done, *a, **kw):
     if done == k:
         os.kill(os.getpid(), signal.SIGKILL)
     return lr_factor(done, *a, **kw)
-mesp.train.lr_factor = at_step
+mesp.training.loop.lr_factor = at_step
 from mesp.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -188,7 +188,7 @@ def test_every_rng_state_round_trips(tmp_path: Path) -> None:
     import torch
     from safetensors import safe_open
 
-    from mesp.checkpoint import STATE_FILE, TrainState, load_state, restore, save_state
+    from mesp.training.checkpoint import STATE_FILE, TrainState, load_state, restore, save_state
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -228,7 +228,7 @@ def test_state_without_python_numpy_rng_still_resumes(tmp_path: Path) -> None:
     """A state file written before the JSON RNG states existed restores what it has."""
     import torch
 
-    from mesp.checkpoint import TrainState, load_state, restore, save_state
+    from mesp.training.checkpoint import TrainState, load_state, restore, save_state
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

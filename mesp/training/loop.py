@@ -7,118 +7,22 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mesp.batch import Example, keep_last_fraction
-from mesp.checkpoint import TrainState, restore, save_state
-from mesp.data.batches import BatchStream, iter_eval_batches
-from mesp.distributed import DataParallel
+from mesp.data.batches import BatchStream
 from mesp.engines import Engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, save_adapter
 from mesp.models.transformer import CausalLM
-from mesp.ops.cross_entropy import chunked_ce_loss
-from mesp.schedule import lr_factor, make_optimizer
-
-EVAL_VOCAB_CHUNK = 16384  # head slices of this many rows: Gemma's 262k vocabulary stays small
-
-
-@dataclass
-class TrainConfig:
-    steps: int = field(default=200, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(
-        default=2e-4, metadata={"help": "peak learning rate (mezo: 1e-4, the MeZO paper's)"}
-    )
-    optimizer: str = field(
-        default="adamw",
-        metadata={"help": "adamw or sgd (the paper's)", "choices": ("adamw", "sgd")},
-    )
-    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay"})
-    warmup: int = field(default=10, metadata={"help": "linear warmup steps"})
-    schedule: str = field(
-        default="cosine",
-        metadata={"help": "after warmup (mezo: constant)", "choices": ("cosine", "constant")},
-    )
-    clip: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
-    eval_every: int = field(default=50, metadata={"help": "validate every N steps (0 = end)"})
-    eval_batches: int = field(default=16, metadata={"help": "validation batches (0 = all)"})
-    save_every: int = field(default=100, metadata={"help": "save the adapter every N steps"})
-    seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
-    progress: bool = field(default=True, metadata={"help": "show a live progress line"})
-    loss_fraction: float = field(
-        default=1.0,
-        metadata={"help": "logits masking: train only the last share of each row's targets"},
-    )
-    skip_nonfinite: bool = field(
-        default=False, metadata={"help": "skip batches with a NaN/inf loss instead of stopping"}
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum"):
-            if getattr(self, name) <= 0:
-                raise MespError(
-                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
-                )
-        if not 0.0 < self.loss_fraction <= 1.0:
-            raise MespError(f"--loss-fraction must be in (0, 1], got {self.loss_fraction}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise MespError(f"--lr must be a positive finite number, got {self.lr}")
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    train_losses: list[float]
-    valid: list[dict[str, float]]
-    adapter_dir: Path
-    peak_rss_bytes: int | None
-    seconds: float
-
-
-@torch.no_grad()
-def evaluate(
-    model: CausalLM,
-    examples: list[Example],
-    batch_size: int,
-    pad_id: int,
-    max_batches: int = 0,
-    dp: DataParallel | None = None,
-) -> dict[str, float]:
-    """Mean token loss and perplexity; the loss never forms full logits (chunked CE). With
-    `dp`, every rank scores its share of the batches and the sums are all-reduced (all ranks
-    must call it): no rank waits out the others' evaluation in a collective."""
-    total, n = 0.0, 0
-    dev = model.device
-    for i, batch in enumerate(iter_eval_batches(examples, batch_size, pad_id=pad_id)):
-        if max_batches and i >= max_batches:
-            break
-        if dp is not None and i % dp.world != dp.rank:
-            continue
-        batch = batch.to(dev)
-        loss, k = chunked_ce_loss(
-            model.hidden(batch.input_ids),
-            batch.targets,
-            batch.mask,
-            model.head_weight(),
-            model.config.final_logit_softcapping,
-            chunk_rows=512,
-            vocab_chunk=EVAL_VOCAB_CHUNK,
-        )
-        total += float(loss)
-        n += k
-    if dp is not None:
-        total, n_sum = dp.sum_scalars([total, float(n)])
-        n = int(n_sum)
-    if n == 0:
-        raise MespError("validation set has no trained tokens")
-    loss = total / n
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": n}
+from mesp.training.checkpoint import TrainState, restore, save_state
+from mesp.training.config import TrainConfig, TrainResult
+from mesp.training.distributed import DataParallel
+from mesp.training.evaluate import evaluate
+from mesp.training.schedule import lr_factor, make_optimizer
 
 
 class Interrupted(Exception):

@@ -1,0 +1,1 @@
+"""Running a trained model without training it: KV-cache generation."""
