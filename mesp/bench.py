@@ -19,7 +19,7 @@ from typing import Any
 
 from mesp.bench_child import ChildConfig
 from mesp.errors import MespError
-from mesp.memory_rss import run_child
+from mesp.memory.rss import run_child
 
 # Variant -> ChildConfig overrides. mesp-fp is mesp on an unquantized base: PEFT cannot use
 # our 4-bit layout, so this is the like-for-like comparison with peft-gc.

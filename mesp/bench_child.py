@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mesp.batch import Batch, keep_last_fraction
 from mesp.errors import MespError
-from mesp.memory_rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
-from mesp.memory_tracker import LiveTensorTracker, adapter_tensors
+from mesp.memory.rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
+from mesp.memory.tracker import LiveTensorTracker, adapter_tensors
 from mesp.models.transformer import LORA_TARGETS
 
 # A 2-layer Qwen2 for `--quick`: every code path of the real shapes at a few MB.
@@ -271,13 +271,13 @@ def _peft_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step,
 
 
 def _floor(c: ChildConfig, cfg: Any, quant: Any, dtype: torch.dtype) -> tuple[Any, str | None]:
-    """The analytic memory floor, when mesp.memory_model exists in this build."""
+    """The analytic memory floor, when mesp.memory.model exists in this build."""
     if cfg is None:
         return None, "no floor for the PEFT model"
     try:
-        from mesp.memory_model import analytic_floor
+        from mesp.memory.model import analytic_floor
     except ImportError:
-        return None, "mesp.memory_model not available"
+        return None, "mesp.memory.model not available"
     try:
         f = analytic_floor(cfg, c.seq, c.batch, c.rank, LORA_TARGETS, quant, dtype)
     except Exception as e:  # a model still being written must not sink the measurement

@@ -249,8 +249,8 @@ def _check_budget(ns, opts, data_cfg, lora_cfg, train_cfg) -> int | None:  # typ
     if not ns.max_memory:
         return None
     from mesp.loading.info import config_of
-    from mesp.memory_model import predict
-    from mesp.plan_cli import parse_bytes
+    from mesp.memory.model import predict
+    from mesp.memory.plan import parse_bytes
 
     budget = parse_bytes(ns.max_memory)
     cfg = config_of(opts)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from mesp.errors import MespError
-from mesp.memory_rss import report, run_child
+from mesp.memory.rss import report, run_child
 from mesp.models.transformer import LORA_TARGETS
 
 # (patched, checkpointing) in table order: each patched run right after its baseline.
@@ -87,7 +87,7 @@ def _measure(c: DropinConfig) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     from mesp.bench_child import shape_dict
-    from mesp.memory_tracker import adapter_tensors, measure_peak
+    from mesp.memory.tracker import adapter_tensors, measure_peak
     from mesp.patch import patch, patch_record
 
     if c.threads:

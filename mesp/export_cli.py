@@ -85,7 +85,7 @@ def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> dict[s
     from mesp import runner
     from mesp.batch import Example, collate
     from mesp.engines import make_engine
-    from mesp.memory_tracker import LiveTensorTracker, adapter_tensors
+    from mesp.memory.tracker import LiveTensorTracker, adapter_tensors
 
     B, S = opts.batch_size, opts.seq_len
     g = torch.Generator().manual_seed(seed)

@@ -6,49 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from mesp.cli_args import add_dataclass_args, from_args
-from mesp.config import ModelConfig
 from mesp.errors import MespError
 from mesp.loading.session import DTYPES, ModelOptions
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'500MB' → 500·10⁶, '8GB' → 8·10⁹, '1.5GiB' → 1.5·2³⁰, '4096' → 4096 bytes. KB/MB/GB/TB
-    are decimal and KiB/MiB/GiB/TiB binary, as on the labels of phones and disks."""
-    m = _SIZE.match(text)
-    if not m or (m.group(3) and not m.group(2)):
-        raise MespError(
-            f"cannot read memory size {text!r}: give a number and a unit, e.g. 500MB, 8GB, 1.5GiB"
-        )
-    num, unit, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
-    scale = 1024 ** "kmgt".index(unit) * 1024 if binary else _UNITS[unit]
-    value = int(num * scale)
-    if value <= 0:
-        raise MespError(f"memory size {text!r} must be positive")
-    return value
-
-
-def model_config(model: str) -> tuple[ModelConfig, str]:
-    """--model as a named shape (qwen2.5-0.5b, random:…), a config.json, or anything
-    `mesp info` reads (model dir, .gguf, wheel name)."""
-    from mesp.loading.info import config_of
-    from mesp.loading.zoo import SHAPES, random_shape
-
-    name = model.removeprefix("random:")
-    if name in SHAPES:
-        return random_shape(name), name
-    p = Path(model)
-    if p.is_file() and p.suffix == ".json":
-        return ModelConfig.from_file(p), p.parent.name or str(p)
-    return config_of(ModelOptions(model=model, quantize="none")), model
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -115,7 +79,7 @@ def _positive(ns: argparse.Namespace, *names: str) -> None:
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    from mesp.memory_model import Run, format_plan, plan
+    from mesp.memory.plan import Run, format_plan, model_config, parse_bytes, plan
     from mesp.quant import QuantSpec
 
     _positive(ns, "seq_len", "rank", "batch_size")

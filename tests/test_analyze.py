@@ -16,7 +16,8 @@ from mesp.batch import Example
 from mesp.engines import make_engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig
-from mesp.plan_cli import add_parser, parse_bytes
+from mesp.memory.plan import parse_bytes
+from mesp.plan_cli import add_parser
 from mesp.training import TrainConfig
 from tests.engine_cases import grads_of, model_with_adapter, padded_batch
 from tests.tiny_dir import make_jsonl, make_model_dir

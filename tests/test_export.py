@@ -31,7 +31,7 @@ from mesp.batch import Example, collate
 from mesp.engines import make_engine
 from mesp.export import ExportOptions, export_model
 from mesp.lora import load_adapter
-from mesp.memory_tracker import LiveTensorTracker, adapter_tensors
+from mesp.memory.tracker import LiveTensorTracker, adapter_tensors
 from mesp.quant import QuantSpec
 from tests.engine_cases import model_with_adapter
 

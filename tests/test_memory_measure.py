@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mesp.errors import MespError
-from mesp.memory_rss import (
+from mesp.memory.rss import (
     FAITHFUL_MALLOC_ENV,
     cuda_peak_bytes,
     current_rss_bytes,
@@ -16,7 +16,7 @@ from mesp.memory_rss import (
     reset_cuda_peak,
     run_child,
 )
-from mesp.memory_tracker import LiveTensorTracker, adapter_tensors, measure_peak
+from mesp.memory.tracker import LiveTensorTracker, adapter_tensors, measure_peak
 
 MiB = 2**20
 
@@ -247,7 +247,7 @@ def test_free_from_another_thread() -> None:
 
 _CHILD = """
 import torch
-from mesp.memory_rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
+from mesp.memory.rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
 MiB = 2**20
 warm = torch.ones(MiB); del warm  # start the thread pool before measuring
 base0 = current_rss_bytes()
@@ -272,7 +272,7 @@ def test_child_peak_rss_after_reset() -> None:
 
 def test_run_child_protocol_and_env() -> None:
     code = (
-        "import os; from mesp.memory_rss import report; print('noise');"
+        "import os; from mesp.memory.rss import report; print('noise');"
         "report(env={k: os.environ[k] for k in ['MALLOC_MMAP_THRESHOLD_', 'EXTRA']}, n=1)"
     )
     r = run_child(["-c", code], env_extra={"EXTRA": "x"}, timeout=60)

@@ -14,17 +14,9 @@ from mesp.loading import random_model
 from mesp.loading.info import weight_bytes
 from mesp.loading.zoo import SHAPES
 from mesp.lora import LoraConfig, apply_lora
-from mesp.memory_model import (
-    ENGINES,
-    FAMILY_SIZES,
-    Run,
-    analytic_floor,
-    largest_model,
-    longest_seq,
-    predict,
-    shape_config,
-)
-from mesp.memory_tracker import adapter_tensors, measure_peak
+from mesp.memory.model import ENGINES, analytic_floor, predict
+from mesp.memory.plan import FAMILY_SIZES, Run, largest_model, longest_seq, shape_config
+from mesp.memory.tracker import adapter_tensors, measure_peak
 from mesp.models.transformer import LORA_TARGETS
 from mesp.quant import QuantSpec
 from mesp.training.schedule import make_optimizer

@@ -422,7 +422,7 @@ def test_trainer_losses_match(
 def test_linear_cross_entropy_peak_has_no_head_placeholder() -> None:
     """A tensor head is wrapped as a FrozenWeight without allocating anything of its size: the
     exact tracker (which counts meta tensors too) must see only the chunk's logits and dh."""
-    from mesp.memory_tracker import measure_peak
+    from mesp.memory.tracker import measure_peak
 
     V, D, N = 8192, 256, 8
     head = torch.randn(V, D) * 0.02

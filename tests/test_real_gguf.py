@@ -207,13 +207,13 @@ def test_perplexity_far_below_random_weights(loaded: dict[str, Any]) -> None:
 def test_gguf_load_peaks_at_one_tensor_not_the_whole_model_in_fp32() -> None:
     """load_model dequantizes one tensor at a time from the map: loading SmolLM2 (135M
     parameters, 540 MB in float32) 4-bit peaks far below the float32 model. Measured as the
-    RSS high-water mark of a fresh child with glibc returning frees (mesp.memory_rss)."""
-    from mesp.memory_rss import run_child
+    RSS high-water mark of a fresh child with glibc returning frees (mesp.memory.rss)."""
+    from mesp.memory.rss import run_child
 
     path = _smollm2()
     code = (
         "import sys; from mesp.loading import load_model; from mesp.quant import QuantSpec\n"
-        "from mesp.memory_rss import current_rss_bytes, peak_rss_bytes, report\n"
+        "from mesp.memory.rss import current_rss_bytes, peak_rss_bytes, report\n"
         "base = current_rss_bytes()\n"
         "m = load_model(sys.argv[1], QuantSpec(4, 64))\n"
         "report(grew=peak_rss_bytes() - base)\n"

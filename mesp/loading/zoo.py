@@ -24,7 +24,7 @@ WHEELS = {
 
 # Published shapes: the config.json values (of the text model, for Gemma 3's multimodal
 # checkpoints) of the sizes the paper and the planner talk about; `mesp plan` walks each family's
-# ladder (mesp.memory_model.FAMILY_SIZES). Sources: the Hugging Face config.json of each repo
+# ladder (mesp.memory.plan.FAMILY_SIZES). Sources: the Hugging Face config.json of each repo
 # named beside it; tests/test_memory_model.py checks every parameter count against the
 # published size.
 _QWEN25 = dict(

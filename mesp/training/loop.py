@@ -56,7 +56,7 @@ def train(
     process's peak RSS (or the CUDA peak) cross it. Measured from the RSS just before the first
     step less the weights' bytes, with the high-water mark reset there: the interpreter, torch,
     one-time imports and a loading spike are not the run's memory; the weights are."""
-    from mesp.memory_rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from mesp.memory.rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     params = model.lora_parameters()
     opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)

@@ -9,7 +9,7 @@
 (c) CUDA: `cuda_peak_bytes` / `reset_cuda_peak` (torch.cuda.max_memory_allocated).
 """
 
-from mesp.memory_rss import (
+from mesp.memory.rss import (
     FAITHFUL_MALLOC_ENV,
     cuda_peak_bytes,
     current_rss_bytes,
@@ -18,7 +18,7 @@ from mesp.memory_rss import (
     reset_peak_rss,
     run_child,
 )
-from mesp.memory_tracker import LiveTensorTracker, adapter_tensors, measure_peak
+from mesp.memory.tracker import LiveTensorTracker, adapter_tensors, measure_peak
 
 __all__ = [
     "FAITHFUL_MALLOC_ENV",
