@@ -107,6 +107,9 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], where: str) -> HFTok
     if "tokenizer.ggml.merges" not in meta:
         raise MespError(f"{where}: missing metadata key 'tokenizer.ggml.merges'")
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    bad = next((i for i, m in enumerate(merges) if len(m) != 2), None)
+    if bad is not None:
+        raise MespError(f"{where}: tokenizer.ggml.merges[{bad}] is not two tokens and a space")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE:
         raise MespError(
@@ -211,7 +214,8 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], where: str) -> Tokenizer:
     except Exception as e:  # `tokenizers` raises bare Exceptions on bad vocab/merges
         if isinstance(e, MespError):
             raise
-        raise MespError(f"{where}: cannot build the tokenizer: {e}") from None
+        why = " ".join(str(e).split())  # its messages span lines; ours are one
+        raise MespError(f"{where}: cannot build the tokenizer: {why}") from None
 
 
 def _build(
