@@ -41,7 +41,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from mesp.bench import VARIANTS
+    from mesp.bench.tables import VARIANTS
 
     p = subparsers.add_parser(
         "bench",
@@ -133,8 +133,8 @@ def command_line(ns: argparse.Namespace) -> str:
 
 
 def run_ladder(ns: argparse.Namespace) -> int:
-    from mesp.bench_ladder import LadderOptions, line, run_ladder
-    from mesp.bench_report import write_report
+    from mesp.bench.ladder import LadderOptions, line, run_ladder
+    from mesp.bench.report import write_report
 
     if not 0.0 < ns.fraction <= 1.0:
         raise MespError(f"--fraction must be in (0, 1], got {ns.fraction}")
@@ -160,8 +160,8 @@ def run_ladder(ns: argparse.Namespace) -> int:
 
 
 def run_softmax(ns: argparse.Namespace) -> int:
-    from mesp.bench_report import write_report
-    from mesp.bench_softmax import SoftmaxConfig, line, run_softmax
+    from mesp.bench.report import write_report
+    from mesp.bench.softmax import SoftmaxConfig, line, run_softmax
 
     if ns.train_steps < 1 or ns.vocab_subset < 1:
         raise MespError("--train-steps and --vocab-subset must be positive")
@@ -186,8 +186,8 @@ def run_softmax(ns: argparse.Namespace) -> int:
 
 
 def run_dequant(ns: argparse.Namespace) -> int:
-    from mesp.bench_dequant import line, run_dequant
-    from mesp.bench_report import write_report
+    from mesp.bench.dequant import line, run_dequant
+    from mesp.bench.report import write_report
 
     if ns.steps < 1 or ns.warmup < 0:
         raise MespError("--steps must be >= 1 and --warmup >= 0")
@@ -204,11 +204,11 @@ def run_dequant(ns: argparse.Namespace) -> int:
 
 
 def run_dropin(ns: argparse.Namespace) -> int:
-    """HF + PEFT, unpatched vs mesp.patch, gradient checkpointing off/on (mesp/dropin_bench.py).
+    """HF + PEFT, unpatched vs mesp.patch, gradient checkpointing off/on (mesp/bench/dropin.py).
     --quick: the tiny Qwen2 shape at 32 and 64 tokens (seconds, for the tests). --device meta:
     the exact peak on the meta device (no arithmetic, no time), for lengths a CPU cannot run."""
-    from mesp import dropin_bench
-    from mesp.bench_report import write_report
+    from mesp.bench import dropin as dropin_bench
+    from mesp.bench.report import write_report
 
     if ns.steps < 1 or ns.warmup < 0:
         raise MespError("--steps must be >= 1 and --warmup >= 0")
@@ -242,8 +242,8 @@ def run_dropin(ns: argparse.Namespace) -> int:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from mesp.bench import BenchOptions, run_table, summary
-    from mesp.bench_report import write_report
+    from mesp.bench.report import write_report
+    from mesp.bench.tables import BenchOptions, run_table, summary
 
     if ns.table == "dropin":
         return run_dropin(ns)

@@ -120,7 +120,7 @@ def _batches(ns: argparse.Namespace, loaded) -> list:  # type: ignore[no-untyped
 
 
 def run_analyze_grads(ns: argparse.Namespace) -> int:
-    from mesp.analyze import analyze_grads, write_analysis
+    from mesp.bench.grads import analyze_grads, write_analysis
     from mesp.loading.session import open_model
     from mesp.lora import LoraConfig, apply_lora
 
@@ -148,7 +148,7 @@ def run_analyze_grads(ns: argparse.Namespace) -> int:
 def _run_convergence(ns: argparse.Namespace) -> int:
     """mesp (exact gradients, AdamW) against mezo (SPSA, SGD) from the same weights, adapter
     init and batch order: valid loss by step and by training second."""
-    from mesp.analyze import convergence
+    from mesp.bench.grads import convergence
     from mesp.data import DataConfig, load_splits, pad_id_of
     from mesp.loading.session import open_model
     from mesp.lora import LoraConfig, apply_lora

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mesp.analyze import analyze_grads, convergence, exact_gradient, write_analysis
 from mesp.batch import Example
+from mesp.bench.grads import analyze_grads, convergence, exact_gradient, write_analysis
 from mesp.engines import make_engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig

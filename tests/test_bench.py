@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mesp.bench import QUICK, load_rows
+from mesp.bench.output import load_rows
+from mesp.bench.tables import QUICK
 from mesp.bench_cli import add_parser, run
 
 
@@ -61,7 +62,7 @@ def test_report_and_plots(quick_run: tuple[Path, Path, list[dict]]) -> None:
 def test_bench_dequant_rows_and_report(tmp_path: Path) -> None:
     """The dequant table: one row per (dtype, shape, tokens) with both timings, and a report
     section that names the command."""
-    from mesp import bench_dequant
+    from mesp.bench import dequant as bench_dequant
 
     c = bench_dequant.DequantConfig("bfloat16", 64, 128, 4, threads=1)
     row = {**bench_dequant.measure(c, steps=2, warmup=1), "command": "mesp bench dequant"}
@@ -79,7 +80,7 @@ def test_bench_dropin_rows_and_report(tmp_path: Path, monkeypatch: pytest.Monkey
     import torch.nn.functional as F
     import transformers.masking_utils as mu
 
-    from mesp import dropin_bench
+    from mesp.bench import dropin as dropin_bench
 
     # the meta run's shims replace these module attributes: restore them after the test
     monkeypatch.setattr(F, "scaled_dot_product_attention", F.scaled_dot_product_attention)

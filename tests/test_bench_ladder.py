@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mesp.bench_child import measure
-from mesp.bench_ladder import RUNGS, LadderOptions, ladder_configs
+from mesp.bench.child import measure
+from mesp.bench.ladder import RUNGS, LadderOptions, ladder_configs
 from mesp.cli import main
 from mesp.models.transformer import MLP
 

@@ -7,7 +7,7 @@ g·z is an unbiased estimate of the gradient smoothed at scale ε: E[z zᵀ] ∇
 n-SPSA (`samples` = n) averages g_k·z_k over n seeds; the variance falls as 1/n, but the
 estimate still lives in an n-dimensional subspace of the d adapter dimensions, so its cosine
 with the true gradient stays near √(n/d) while n ≪ d (Qwen2.5-0.5B, d ≈ 4.4M: 0.0004 → 0.004
-from n = 1 to 64; see mesp/analyze.py).
+from n = 1 to 64; see mesp/bench/grads.py).
 
 L is the summed token loss of the batch divided by `normalizer` (the trainer's count of trained
 tokens in the accumulation group), formed without autograd by a chunked cross-entropy, so no

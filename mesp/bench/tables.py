@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mesp.bench_child import ChildConfig
+from mesp.bench.child import ChildConfig
+from mesp.bench.output import write_row
 from mesp.errors import MespError
 from mesp.memory.rss import run_child
 
@@ -134,7 +134,7 @@ def run_config(c: ChildConfig, timeout: float, threads_env: dict[str, str]) -> d
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     try:
-        res = run_child(["-m", "mesp.bench_child", json.dumps(asdict(c))], threads_env, timeout)
+        res = run_child(["-m", "mesp.bench.child", json.dumps(asdict(c))], threads_env, timeout)
     except MespError as e:
         status = "skipped" if "timed out" in str(e) else "failed"
         res = {"status": status, "reason": str(e), "config": asdict(c)}
@@ -174,10 +174,7 @@ def run_table(table: str, opts: BenchOptions) -> list[dict[str, Any]]:
                     else:
                         row = {"status": "skipped", "reason": reason, "config": asdict(c)}
                     row.update(table=table, quick=opts.quick, command=opts.command)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(json.dumps(row) + "\n")
-                    print(f"[{table}] {summary(row)}", file=sys.stderr, flush=True)
-                    rows.append(row)
+                    rows.append(write_row(path, row, summary, table))
     return rows
 
 
@@ -195,15 +192,4 @@ def summary(row: dict[str, Any]) -> str:
     return text + (" (meta device)" if c.get("device") == "meta" else "")
 
 
-def load_rows(out: Path) -> list[dict[str, Any]]:
-    """Every row JSON under OUT/rows (all tables), in a stable order."""
-    rows = []
-    for p in sorted((out / "rows").glob("*/*.json")):
-        try:
-            rows.append(json.loads(p.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue  # a row being written by a concurrent run: the next report picks it up
-    return rows
-
-
-__all__ = ["QUICK", "TABLES", "VARIANTS", "BenchOptions", "load_rows", "run_table", "spec_for"]
+__all__ = ["QUICK", "TABLES", "VARIANTS", "BenchOptions", "run_table", "spec_for"]

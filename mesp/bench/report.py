@@ -13,8 +13,12 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from mesp import bench_dequant, bench_ladder, bench_softmax, dropin_bench
-from mesp.bench import TABLES, load_rows
+from mesp.bench import dequant as bench_dequant
+from mesp.bench import dropin as dropin_bench
+from mesp.bench import ladder as bench_ladder
+from mesp.bench import softmax as bench_softmax
+from mesp.bench.output import load_rows, pyplot
+from mesp.bench.tables import TABLES
 
 MiB = 2**20
 Row = dict[str, Any]
@@ -295,15 +299,6 @@ def machine() -> str:
     )
 
 
-def _plt():  # type: ignore[no-untyped-def]
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never a display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_memory_vs_seq(rows: list[Row], path: Path, dtype: str) -> Path | None:
     """Working memory against sequence length, one line per engine, paper points beside."""
     idx = {k: r for k, r in index(rows, "table2", dtype).items() if ok(r)}
@@ -314,7 +309,7 @@ def plot_memory_vs_seq(rows: list[Row], path: Path, dtype: str) -> Path | None:
     idx = {k: r for k, r in idx.items() if k[0] == shape}
     if len({k[1] for k in idx}) < 2:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for v in _variants(idx):
         pts = sorted((k[1], mem(r)) for k, r in idx.items() if k[3] == v)
@@ -362,7 +357,7 @@ def plot_timeline(rows: list[Row], path: Path, dtype: str) -> Path | None:
         break
     else:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     peaks = {}
     for v, r in zip(("mebp", "mesp"), pair, strict=True):
@@ -392,7 +387,7 @@ def plot_time(rows: list[Row], path: Path, dtype: str) -> Path | None:
     idx = {k: r for k, r in index(rows, "table1", dtype).items() if ok(r)}
     if not idx:
         return None
-    plt = _plt()
+    plt = pyplot()
     shapes, var = sorted({k[0] for k in idx}), _variants(idx)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(var)

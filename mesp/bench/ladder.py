@@ -24,13 +24,12 @@ every rung, up to the host copies of the index vectors (bytes of order 16 per to
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mesp.bench_child import ChildConfig
+from mesp.bench.child import ChildConfig
+from mesp.bench.output import pyplot, write_row
 
 GB = 1e9
 _CHUNKED = {"chunk_rows": 512, "vocab_chunk": 8192}
@@ -111,18 +110,14 @@ def row_path(out: Path, c: ChildConfig) -> Path:
 
 
 def run_ladder(o: LadderOptions) -> list[dict[str, Any]]:
-    from mesp.bench import run_config
+    from mesp.bench.tables import run_config
 
     env = {"OMP_NUM_THREADS": str(o.threads)} if o.threads else {}
     rows = []
     for c in ladder_configs(o):
         row = run_config(c, o.timeout, env)
         row.update(table="ladder", command=o.command)
-        path = row_path(o.out, c)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(row) + "\n")
-        print(f"[ladder] {line(row)}", file=sys.stderr, flush=True)
-        rows.append(row)
+        rows.append(write_row(row_path(o.out, c), row, line, "ladder"))
     return rows
 
 
@@ -159,7 +154,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         f"{c['shape']} shapes, random weights, {c['dtype']}, LoRA rank {c['rank']} on q,k,v,o,"
         f"gate,up,down, batch 1, {c['loss_fraction']:.0%} of positions trained. Peak = exact "
         f"live-tensor total (weights + adapter + working), GB = 1e9 bytes, measured on the "
-        f"{c['device']} device (see mesp/bench_ladder.py). Paper rows: Llama-3.2-3B on an A100.",
+        f"{c['device']} device (see mesp/bench/ladder.py). Paper rows: Llama-3.2-3B on an A100.",
         "",
         "| rung | " + " | ".join(f"seq {s}" for s in seqs) + " |",
         "|---|" + "---|" * len(seqs),
@@ -195,12 +190,10 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    from mesp.bench_report import _plt
-
     idx = _index(rows)
     if not idx:
         return None
-    plt = _plt()
+    plt = pyplot()
     seqs = sorted({s for _, s in idx})
     fig, ax = plt.subplots(figsize=(9, 5))
     for key, lab, _ in RUNGS:

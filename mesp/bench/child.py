@@ -1,4 +1,4 @@
-"""One benchmark configuration, measured in a fresh process: `python -m mesp.bench_child JSON`.
+"""One benchmark configuration, measured in a fresh process: `python -m mesp.bench.child JSON`.
 
 A fresh process per configuration keeps one engine's allocator state, caches and RSS high-water
 mark out of the next one's numbers (the parent runs it through `memory_rss.run_child`, which
@@ -379,7 +379,7 @@ def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m mesp.bench_child '<json config>'", file=sys.stderr)
+        print("usage: python -m mesp.bench.child '<json config>'", file=sys.stderr)
         return 2
     c = ChildConfig(**json.loads(argv[0]))
     try:

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mesp.bench.output import write_row
+
 LOSSES = ("ce", "sampled-softmax")
 
 
@@ -91,10 +93,7 @@ def run_softmax(
             row = run_one(c, out, timeout)
             row["command"] = command
             path = out / "rows" / "softmax" / f"{_slug(model)}_{loss}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(row) + "\n")
-            print(f"[softmax] {line(row)}", file=sys.stderr, flush=True)
-            rows.append(row)
+            rows.append(write_row(path, row, line, "softmax"))
     return rows
 
 

@@ -1,7 +1,7 @@
 """`mesp bench dropin`: an HF + PEFT training step, as is and after `mesp.patch`, checkpointing
 off and on, at a named model shape with random weights (default Qwen2.5-0.5B).
 
-Each configuration runs in a fresh child process (`python -m mesp.dropin_bench JSON`, through
+Each configuration runs in a fresh child process (`python -m mesp.bench.dropin JSON`, through
 memory_rss.run_child) so one run's allocator state and caches stay out of the next. Measured
 after one warm-up step: the exact live-tensor peak of one optimizer step (weights / adapter +
 optimizer / working), and the median wall and process-CPU time of `steps` untracked steps.
@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mesp.bench.output import write_row
 from mesp.errors import MespError
 from mesp.memory.rss import report, run_child
 from mesp.models.transformer import LORA_TARGETS
@@ -86,7 +87,7 @@ def _measure(c: DropinConfig) -> dict[str, Any]:
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
-    from mesp.bench_child import shape_dict
+    from mesp.bench.child import shape_dict
     from mesp.memory.tracker import adapter_tensors, measure_peak
     from mesp.patch import patch, patch_record
 
@@ -222,16 +223,14 @@ def run(
             else:
                 try:
                     res = run_child(
-                        ["-m", "mesp.dropin_bench", json.dumps(asdict(c))],
+                        ["-m", "mesp.bench.dropin", json.dumps(asdict(c))],
                         timeout=timeout,
                     )
                 except MespError as e:
                     res = {"status": "failed", "reason": str(e), "config": asdict(c)}
             row = {"table": "dropin", **res, "command": command, "load_before": load}
             if out is not None:
-                path = row_path(out, c)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(row, indent=1))
+                write_row(row_path(out, c), row, indent=1)
             rows.append(row)
             print(line(row), file=sys.stderr, flush=True)
     return rows
@@ -354,7 +353,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
 
 def _child(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m mesp.dropin_bench '<json config>'", file=sys.stderr)
+        print("usage: python -m mesp.bench.dropin '<json config>'", file=sys.stderr)
         return 2
     c = DropinConfig(**json.loads(argv[0]))
     try:

@@ -9,7 +9,6 @@ this process, one row per (dtype, shape, tokens); ratio = dequantize / matmul.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mesp.bench.output import write_row
 from mesp.quant import QuantSpec, dequantize, quantize
 
 # (out_features, in_features): q/o proj, k/v proj, gate/up proj, down proj.
@@ -75,9 +75,7 @@ def run_dequant(
                 c = DequantConfig(dtype, o, i, tokens, threads=torch.get_num_threads())
                 row = {**measure(c, steps, warmup), "command": command}
                 path = out / "rows" / "dequant" / f"{dtype}_{o}x{i}_t{tokens}.json"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(row, indent=1))
-                rows.append(row)
+                rows.append(write_row(path, row, indent=1))
     return rows
 
 

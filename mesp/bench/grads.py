@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mesp.batch import Batch, Example
+from mesp.bench.output import pyplot
 from mesp.engines import make_engine
 from mesp.engines.mezo import MeZOEngine, perturbed_tensors
 from mesp.errors import MespError
@@ -129,7 +130,7 @@ def write_analysis(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     js, png = out_dir / "grad_cosines.json", out_dir / "grad_cosines.png"
     js.write_text(json.dumps(result, indent=2) + "\n")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = result["samples"]
     for r in result["batches"]:
@@ -212,7 +213,7 @@ def _elapsed_by_step(log: Path) -> dict[int, float]:
 
 
 def _plot_convergence(result: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for name, r in result["runs"].items():
         a.plot(r["steps"], r["valid_loss"], "o-", label=name)
@@ -224,12 +225,3 @@ def _plot_convergence(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _pyplot():  # type: ignore[no-untyped-def]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
