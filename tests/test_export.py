@@ -26,12 +26,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mesp import runner
 from mesp.batch import Example, collate
 from mesp.engines import make_engine
-from mesp.export import ExportOptions, export_model
 from mesp.lora import load_adapter
 from mesp.memory.tracker import LiveTensorTracker, adapter_tensors
+from mesp.ondevice import runner
+from mesp.ondevice.export import ExportOptions, export_model
 from mesp.quant import QuantSpec
 from tests.engine_cases import model_with_adapter
 
@@ -435,7 +435,7 @@ def test_runner_peak_working_memory_at_most_the_engines(cases) -> None:  # type:
 def test_memory_report_rows(cases) -> None:  # type: ignore[no-untyped-def]
     """`mesp export --memory-report` (run for Qwen2.5-0.5B in the README) on the tiny export:
     both rows, the runner's working memory at most the engine's, one block resident."""
-    from mesp.export_cli import memory_lines, memory_report
+    from mesp.ondevice.report import memory_lines, memory_report
 
     case = cases("qwen2")
     case.reset()

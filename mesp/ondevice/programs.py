@@ -1,4 +1,4 @@
-"""Pure functions of one block, the embedding and the loss, for `torch.export` (see mesp.export).
+"""Pure functions of one block, the embedding and the loss, for `torch.export` (see export.py).
 
 Every tensor is an argument: frozen weights, LoRA weights, activations, RoPE tables and the mask.
 Only shapes, dtypes and family flags are baked in, so one captured graph serves every block of

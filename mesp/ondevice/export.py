@@ -3,9 +3,9 @@
 The split follows the original MeSP (Python exports, a Swift runner trains): frozen weights as one
 safetensors file per block, read only while that block runs; the block forward, its recompute
 (forward + the saved tensors) and its hand backward as `torch.export` programs (.pt2) whose every
-tensor is an argument (see mesp.export_fns); the embedding and the loss (final norm + head + CE ->
-loss, grad of the last hidden state) likewise; run_config.json ties it together. Blocks of one
-structure (same layer type, shapes, storage) share one set of programs: Qwen2.5-0.5B's 24 blocks
+tensor is an argument (see mesp.ondevice.programs); the embedding and the loss (final norm + head
++ CE -> loss, grad of the last hidden state) likewise; run_config.json ties it together. Blocks of
+one structure (same layer type, shapes, storage) share one set of programs: Qwen2.5-0.5B's 24 blocks
 need 3 programs, not 72.
 
 Fixed at export: batch size and sequence length (the runner pads shorter rows; the loss program
@@ -45,7 +45,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from mesp.errors import MespError
-from mesp.export_fns import (
+from mesp.lora import PEFT_PREFIX
+from mesp.models.transformer import CausalLM
+from mesp.ondevice.programs import (
     BlockBackward,
     BlockForward,
     BlockSpec,
@@ -55,8 +57,6 @@ from mesp.export_fns import (
     WeightSpec,
     block_forward,
 )
-from mesp.lora import PEFT_PREFIX
-from mesp.models.transformer import CausalLM
 from mesp.ops.attention import _cpu_flash, additive_mask
 
 log = logging.getLogger("mesp")
@@ -155,7 +155,7 @@ def _ctx(model: CausalLM, seq_len: int) -> dict[str, dict[str, Tensor]]:
 
 
 def _block_parts(block: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(frozen weights, LoRA weights) of a block, keyed as mesp.export_fns expects."""
+    """(frozen weights, LoRA weights) of a block, keyed as mesp.ondevice.programs expects."""
     lora = {n: p.detach().contiguous() for n, p in block.named_parameters()}
     return _frozen(block), lora
 
