@@ -16,7 +16,7 @@ from torch.autograd import gradcheck
 
 from mesp.models.linear import FrozenWeight
 from mesp.nn import ChunkedLMHeadLoss, StructuredLoRALinear
-from mesp.nn_functions import (
+from mesp.nn.functions import (
     Proj,
     linear_cross_entropy,
     lora_gated_mlp,
@@ -330,12 +330,13 @@ def test_bf16_base_with_fp32_adapters() -> None:
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """How often the patched model's paths ran: mesp.patch's lora_linear (PEFT layers) and
-    linear_cross_entropy (the loss head), mesp.nn's lora_gated_mlp (the fused MLP)."""
+    """How often the patched model's paths ran: the patcher's lora_linear (PEFT layers) and
+    linear_cross_entropy (the loss head), the modules' lora_gated_mlp (the fused MLP); counted
+    where mesp.nn.patch and mesp.nn.modules look them up."""
     import importlib
 
-    nn_mod = importlib.import_module("mesp.nn")
-    patch_mod = importlib.import_module("mesp.patch")  # `mesp.patch` is also the function
+    nn_mod = importlib.import_module("mesp.nn.modules")
+    patch_mod = importlib.import_module("mesp.nn.patch")
     counts = {"lora_linear": 0, "linear_cross_entropy": 0, "lora_gated_mlp": 0}
 
     def counting(module: Any, name: str) -> None:

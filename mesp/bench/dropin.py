@@ -89,7 +89,7 @@ def _measure(c: DropinConfig) -> dict[str, Any]:
 
     from mesp.bench.child import shape_dict
     from mesp.memory.tracker import adapter_tensors, measure_peak
-    from mesp.patch import patch, patch_record
+    from mesp.nn.patch import patch, patch_record
 
     if c.threads:
         torch.set_num_threads(c.threads)

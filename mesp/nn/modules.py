@@ -1,4 +1,4 @@
-"""Drop-in modules over mesp.nn_functions, for users' own PyTorch training loops.
+"""Drop-in modules over mesp.nn.functions, for users' own PyTorch training loops.
 
 Children keep PEFT's names and order (base_layer, lora_A[adapter], lora_B[adapter], …), so the
 state-dict entries are PEFT's. (mesp.patch keeps PEFT's own layer objects instead: PEFT finds
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from mesp.errors import MespError
 from mesp.models.linear import FrozenWeight
 from mesp.models.linear import Linear as MespLinear
-from mesp.nn_functions import (
+from mesp.nn.functions import (
     Proj,
     linear_cross_entropy,
     lora_gated_mlp,
