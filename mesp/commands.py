@@ -196,7 +196,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 def _full_model_dir(model, tok, out: Path, resuming: bool, main: bool) -> None:  # type: ignore[no-untyped-def]
     """--zo-full trains the base weights too: they are saved (beside the adapter) as a model
     directory in OUT/model at every checkpoint; a resume reads them back from there."""
-    from mesp.merge import write_tokenizer
+    from mesp.convert.merge import write_tokenizer
 
     d = out / "model"
     if resuming:
@@ -417,8 +417,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_merge(ns: argparse.Namespace) -> int:
+    from mesp.convert.merge import merge_into_base, write_model_dir
     from mesp.lora import check_output_dir, load_adapter
-    from mesp.merge import merge_into_base, write_model_dir
 
     out = Path(ns.out)
     src = Path(ns.model)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from mesp.cli import main
+from mesp.convert.merge import merge_into_base
 from mesp.loading import load_model
 from mesp.loading.tokenizer import Tokenizer
 from mesp.lora import LoraConfig, apply_lora, load_adapter, save_adapter
-from mesp.merge import merge_into_base
 from mesp.quant import QuantSpec
 from tests.tiny_dir import make_model_dir
 

@@ -106,7 +106,7 @@ def train(
         st.engine = engine.state_dict() if hasattr(engine, "state_dict") else {}
         save_adapter(model, out_dir, lora, base_name)
         if getattr(engine, "perturb_all", False):  # mezo --zo-full: the base is trained too
-            from mesp.merge import write_model_dir
+            from mesp.convert.merge import write_model_dir
 
             write_model_dir(model, None, out_dir / "model")
         save_state(out_dir, model, opt, st)

@@ -1,0 +1,2 @@
+"""Trained models written out for other tools: the adapter folded into its base as an HF
+safetensors (or MLX quantized) model directory."""
