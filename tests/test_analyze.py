@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from mesp.batch import Example
-from mesp.bench.grads import analyze_grads, convergence, exact_gradient, write_analysis
+from mesp.bench.convergence import convergence
+from mesp.bench.grads import analyze_grads, exact_gradient, write_analysis
+from mesp.cli.plan import add_parser
 from mesp.engines import make_engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig
 from mesp.memory.plan import parse_bytes
-from mesp.plan_cli import add_parser
 from mesp.training import TrainConfig
 from tests.engine_cases import grads_of, model_with_adapter, padded_batch
 from tests.tiny_dir import make_jsonl, make_model_dir

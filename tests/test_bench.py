@@ -11,7 +11,7 @@ import pytest
 
 from mesp.bench.output import load_rows
 from mesp.bench.tables import QUICK
-from mesp.bench_cli import add_parser, run
+from mesp.cli.bench import add_parser, run
 
 
 @pytest.fixture(scope="module")

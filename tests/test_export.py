@@ -458,7 +458,7 @@ def test_cli_export_then_run_artifacts(tmp_path: Path, capsys) -> None:  # type:
     """`mesp export` on an HF directory, then `mesp run-artifacts` on what it wrote."""
     import argparse
 
-    from mesp import export_cli
+    from mesp.cli import export as export_cli
     from tests.tiny_dir import make_model_dir
 
     parser = argparse.ArgumentParser(prog="mesp")

@@ -13,19 +13,22 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mesp.batch import Batch, Example
+from mesp.batch import Batch, collate
 from mesp.bench.output import pyplot
+from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.engines import make_engine
 from mesp.engines.mezo import MeZOEngine, perturbed_tensors
 from mesp.errors import MespError
-from mesp.lora import LoraConfig
+from mesp.loading import Loaded
+from mesp.loading.session import ModelOptions, open_model
+from mesp.lora import LoraConfig, apply_lora
 from mesp.models.transformer import CausalLM
 
 
@@ -149,79 +152,63 @@ def write_analysis(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     return js, png
 
 
-def convergence(
-    make_model: Callable[[], CausalLM],
-    train_examples: list[Example],
-    valid_examples: list[Example],
-    cfg: Any,
-    lora: LoraConfig,
-    out_dir: Path,
-    engines: Sequence[str] = ("mesp", "mezo"),
-    engine_opts: dict[str, dict[str, Any]] | None = None,
-    pad_id: int = 0,
-) -> dict[str, Any]:
-    """Train a fresh model (`make_model()`: same weights and adapter init each call) with each
-    engine on the same data and TrainConfig `cfg`; valid loss against steps and against
-    training seconds (validation excluded), as convergence.json and convergence.png.
-    MeZO's lr and weight decay come from engine_opts["mezo"] (default: cfg's)."""
-    from mesp.training import train
-    from mesp.training.evaluate import evaluate
+@dataclass
+class GradStudy:
+    """The flags of `mesp analyze-grads` (its parser in mesp.cli.plan gives their help)."""
 
-    runs: dict[str, Any] = {}
-    for name in engines:
-        opts = dict((engine_opts or {}).get(name, {}))
-        if name == "mezo":
-            opts.setdefault("lr", cfg.lr)
-            opts.setdefault("weight_decay", cfg.weight_decay)
-        engine = make_engine(name, **opts)
-        # the trainer sets the engine's lr every step from the schedule: give mezo its own
-        run_cfg = replace(cfg, lr=opts["lr"]) if name == "mezo" else cfg
-        run_dir = out_dir / name
-        model = make_model()
-        start = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches)
-        res = train(model, engine, train_examples, valid_examples, run_cfg, lora, run_dir, pad_id)
-        elapsed = _elapsed_by_step(run_dir / "log.jsonl")
-        valid = [{"step": 0, **start}, *res.valid]
-        runs[name] = {
-            "steps": [int(v["step"]) for v in valid],
-            "seconds": [elapsed.get(int(v["step"]), 0.0) for v in valid],
-            "valid_loss": [v["loss"] for v in valid],
-            "train_loss": res.train_losses,
-            "total_seconds": res.seconds,
-        }
-    result = {"engines": list(engines), "runs": runs}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "convergence.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot_convergence(result, out_dir / "convergence.png")
-    return result
+    data: str | None = None
+    batches: int = 4
+    seq_len: int = 128
+    batch_size: int = 1
+    rank: int = 8
+    samples: str = "1,4,16,64"
+    eps: float = 1e-2
+    seed: int = 0
+    directional: bool = False
+    out: str = "grad_analysis"
+    convergence: int = 0
+    lr: float = 1e-3
+    zo_lr: float = 1e-4
+    eval_batches: int = 4
+
+    def sample_counts(self) -> list[int]:
+        try:
+            return [int(x) for x in self.samples.split(",") if x.strip()]
+        except ValueError:
+            raise MespError(
+                f"--samples must be a comma list of integers, got {self.samples!r}"
+            ) from None
 
 
-def _elapsed_by_step(log: Path) -> dict[int, float]:
-    """Cumulative step seconds at each step, from the trainer's log.jsonl (only this run's
-    rows: the file is appended to, so a step number seen again restarts the sum)."""
-    out: dict[int, float] = {}
-    total = 0.0
-    for line in log.read_text().splitlines():
-        row = json.loads(line)
-        if "step_s" not in row:
-            continue
-        if int(row["step"]) == 1:
-            out, total = {}, 0.0
-        total += float(row["step_s"])
-        out[int(row["step"])] = total
-    return out
+def study_batches(s: GradStudy, loaded: Loaded) -> list[Batch]:
+    """K batches of the data, or of seeded random tokens for a model with no tokenizer."""
+    k, b, n = s.batches, s.batch_size, s.seq_len
+    if loaded.tokenizer is None:  # random:SHAPE: nothing to tokenize with
+        g = torch.Generator().manual_seed(s.seed)
+        v = loaded.model.config.vocab_size
+        ids = torch.randint(0, v, (k, b, n + 1), generator=g)
+        mask = torch.ones(b, n, dtype=torch.bool)
+        return [Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), mask) for x in ids]
+    rows = load_splits(DataConfig(path=s.data, seq_len=n), loaded.tokenizer)["train"]
+    if len(rows) < k * b:
+        raise MespError(
+            f"--batches {k} × --batch-size {b} needs {k * b} rows; data has {len(rows)}"
+        )
+    pad = pad_id_of(loaded.tokenizer)
+    return [collate(rows[i * b : (i + 1) * b], pad) for i in range(k)]
 
 
-def _plot_convergence(result: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for name, r in result["runs"].items():
-        a.plot(r["steps"], r["valid_loss"], "o-", label=name)
-        b.plot(r["seconds"], r["valid_loss"], "o-", label=name)
-    a.set_xlabel("step")
-    b.set_xlabel("training seconds")
-    a.set_ylabel("valid loss")
-    a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def run_analysis(opts: ModelOptions, s: GradStudy) -> str:
+    """`mesp analyze-grads`: the cosines, written as JSON and PNG; returns the summary line."""
+    samples = s.sample_counts()
+    loaded = open_model(opts, seed=s.seed)
+    apply_lora(loaded.model, LoraConfig(rank=s.rank), seed=s.seed)
+    batches = study_batches(s, loaded)
+    result = analyze_grads(loaded.model, batches, samples, s.eps, s.seed, s.directional)
+    js, png = write_analysis(result, Path(s.out))
+    means = ", ".join(f"n={n}: {c:+.5f}" for n, c in result["mean_cos_by_n"].items())
+    return (
+        f"mesp: d = {result['dimension']:,} adapter weights; mean cosine with the exact gradient "
+        f"{means} (one sample: E|cos| {result['mean_single_abs_cos']:.5f}, "
+        f"isotropic theory {result['theory_single_abs_cos']:.5f}); wrote {js} and {png}"
+    )

@@ -9,15 +9,18 @@ config.json), the form mlx-community publishes; mesp loads it back bit for bit.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from mesp.atomic_io import atomic_write
+from mesp.errors import MespError
 from mesp.loading.build import expected_tensors
+from mesp.loading.session import ModelOptions, open_model
 from mesp.loading.tokenizer import Tokenizer
-from mesp.lora import merge_lora
+from mesp.lora import check_output_dir, load_adapter, merge_lora
 from mesp.models.linear import FrozenWeight
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
@@ -100,3 +103,32 @@ def write_tokenizer(tok: Tokenizer, out: Path) -> None:
     atomic_write(
         out / "tokenizer_config.json", lambda p: Path(p).write_text(json.dumps(conf, indent=2))
     )
+
+
+@dataclass
+class MergeOptions:
+    adapter: str = field(default="", metadata={"help": "PEFT adapter directory", "required": True})
+    out: str = field(
+        default="",
+        metadata={
+            "help": "directory for the merged model (config.json, model.safetensors, "
+            "tokenizer); with --quantize 4|8 it is written in MLX's quantized layout",
+            "required": True,
+        },
+    )
+
+
+def merge(opts: ModelOptions, m: MergeOptions) -> str:
+    """`mesp merge`: fold the adapter into its base, write the model directory, and return the
+    line that says what was written."""
+    out, src = Path(m.out), Path(opts.model)
+    if src.is_dir() and out.resolve() == src.resolve():
+        raise MespError(f"{out}: is the base model's directory; give a new --out")
+    check_output_dir(out)
+    # the base is read at full precision; --quantize applies to the merged weights
+    loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype=opts.dtype))
+    cfg = load_adapter(loaded.model, Path(m.adapter))
+    merge_into_base(loaded.model, opts.quant)
+    write_model_dir(loaded.model, loaded.tokenizer, out)
+    how = f"{opts.quantize}-bit (MLX layout)" if opts.quant else opts.dtype
+    return f"mesp: merged rank-{cfg.rank} adapter {m.adapter} into {loaded.source}; {how} in {out}"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from mesp.errors import MespError
 
@@ -68,3 +69,19 @@ class DataConfig:
             raise MespError(f"overlong policy must be one of {', '.join(OVERLONG)}")
         if self.max_examples is not None and self.max_examples < 1:
             raise MespError(f"max examples must be at least 1, got {self.max_examples}")
+
+    def check_positions(self, max_positions: int) -> None:
+        """A row of seq_len positions must fit the model."""
+        if self.seq_len > max_positions:
+            raise MespError(
+                f"--seq-len {self.seq_len} is over the model's maximum of {max_positions} positions"
+            )
+
+    def for_scoring(self) -> tuple[DataConfig, bool]:
+        """As `mesp eval` and `mesp grad` read data: a file is used whole (no validation
+        split); a directory or the built-in set by its split. Returns the config and whether
+        the data is a single file; the config is validated."""
+        whole = self.path is not None and Path(self.path).is_file()
+        cfg = replace(self, valid_fraction=0.0 if whole else 0.05)
+        cfg.validate()
+        return cfg, whole

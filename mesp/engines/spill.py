@@ -19,6 +19,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from mesp.errors import MespError
+
+
+def check_spill_dir(directory: str | None, flag: str) -> None:
+    """The spill files (disk checkpoints, streamed weights) go in `directory` (default: the
+    temporary directory): fail now, before any output is written, not at the first step."""
+    d = directory or tempfile.gettempdir()
+    try:
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise MespError(f"{flag}: cannot write spill files in {d} ({e.strerror or e})") from None
+
 
 class SpillFile:
     def __init__(self, directory: str | None, prefix: str) -> None:

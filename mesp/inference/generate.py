@@ -2,9 +2,61 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass, field
+
 import torch
 
+from mesp.errors import MespError
+from mesp.loading.session import ModelOptions, open_with_adapter
 from mesp.models.transformer import CausalLM, KVCache
+
+
+@dataclass
+class GenerateOptions:
+    prompt: str = field(default="", metadata={"help": "text to continue", "required": True})
+    adapter: str | None = field(default=None, metadata={"help": "PEFT adapter directory"})
+    chat: bool = field(
+        default=False, metadata={"help": "wrap the prompt in the model's chat template"}
+    )
+    max_tokens: int = field(default=64, metadata={"help": "new tokens at most"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0 = greedy)"})
+    top_p: float = field(
+        default=1.0, metadata={"help": "nucleus sampling: smallest token set with this mass"}
+    )
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+
+
+def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
+    """`mesp generate`: the model (+ adapter) continues the prompt; the new text is returned."""
+    if not g.prompt:
+        raise MespError("--prompt is empty; give the text to continue")
+    if not 0.0 < g.top_p <= 1.0:
+        raise MespError(f"--top-p must be in (0, 1], got {g.top_p}")
+    if not g.temperature >= 0.0:
+        raise MespError(f"--temperature must be >= 0 (0 = greedy), got {g.temperature}")
+    if g.max_tokens < 1:
+        raise MespError(f"--max-tokens must be at least 1, got {g.max_tokens}")
+    loaded = open_with_adapter(opts, g.adapter)
+    tok = loaded.require_tokenizer()
+    text = g.prompt
+    if g.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], True)
+    ids = tok.encode(text)
+    limit = loaded.model.config.max_position_embeddings
+    room = limit - len(ids)
+    if room < 1:
+        raise MespError(
+            f"the prompt is {len(ids)} tokens; the model takes at most {limit} positions"
+        )
+    if g.max_tokens > room:
+        print(
+            f"mesp: note: stopping after {room} tokens, at the model's {limit} positions",
+            file=sys.stderr,
+        )
+    n = min(g.max_tokens, room)
+    out = generate(loaded.model, ids, n, g.temperature, g.top_p, tok.stop_ids, g.seed)
+    return tok.decode(out)
 
 
 @torch.no_grad()

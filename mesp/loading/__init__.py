@@ -22,6 +22,12 @@ class Loaded:
     source: str
     fmt: str  # "hf" | "mlx" | "gguf" | "random"
 
+    def require_tokenizer(self) -> Tokenizer:
+        """The tokenizer, for commands that read text; a one-line error where there is none."""
+        if self.tokenizer is None:
+            raise MespError(f"{self.source}: no tokenizer found (tokenizer.json or GGUF metadata)")
+        return self.tokenizer
+
 
 def load_model(
     path: str | Path,

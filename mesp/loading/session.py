@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from mesp.errors import MespError
 from mesp.loading import Loaded, load_model, random_model
 from mesp.loading.zoo import random_shape, resolve
+from mesp.lora import load_adapter
 from mesp.quant import QuantSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,4 +75,12 @@ def open_model(opts: ModelOptions, seed: int = 0) -> Loaded:
         loaded = load_model(resolve(opts.model) or opts.model, opts.quant, opts.torch_dtype)
     if dev.type != "cpu":  # built on the host one tensor at a time, then moved whole
         loaded.model.to(dev)
+    return loaded
+
+
+def open_with_adapter(opts: ModelOptions, adapter: str | None) -> Loaded:
+    """The model of `opts` with the PEFT adapter directory `adapter` loaded (none: as it is)."""
+    loaded = open_model(opts)
+    if adapter:
+        load_adapter(loaded.model, Path(adapter))
     return loaded

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,34 @@ def load_state(path: Path) -> TrainState:
     for k in [k for k in tensors if k.startswith("engine.")]:
         meta["engine"][k.removeprefix("engine.")] = tensors.pop(k)
     return TrainState(tensors=tensors, **meta)
+
+
+def fingerprint(
+    loaded: Any,
+    opts: Any,
+    engine: str,
+    engine_kwargs: dict[str, Any],
+    data: Any,
+    lora: Any,
+    train: Any,
+) -> dict[str, Any]:
+    """What must stay the same for a resumed run to equal an uninterrupted one: the model and
+    its storage, the engine and its options, the data, LoRA and training setup (less the
+    settings a run may change on resume: its length, evaluation, saving and progress)."""
+    skip = {"steps", "eval_every", "eval_batches", "save_every", "progress"}
+    fp = {
+        "model": loaded.source,
+        "model_config": loaded.model.config.to_hf(),
+        "quantize": opts.quantize,
+        "group_size": opts.group_size,
+        "dtype": opts.dtype,
+        "engine": engine,
+        **{k: asdict(v) if is_dataclass(v) else v for k, v in engine_kwargs.items()},
+        "data": asdict(data),
+        "lora": asdict(lora),
+        "train": {k: v for k, v in asdict(train).items() if k not in skip},
+    }
+    return json.loads(json.dumps(fp))  # tuples -> lists, as they come back from the file
 
 
 def check_fingerprint(st: TrainState, now: dict[str, Any], where: Path) -> None:

@@ -61,3 +61,10 @@ class TrainResult:
     adapter_dir: Path
     peak_rss_bytes: int | None
     seconds: float
+
+
+def engine_defaults(engine: str) -> dict[str, object]:
+    """The training flags whose default depends on the engine: mezo takes the MeZO paper's
+    lr 1e-4 and a constant schedule; the others 2e-4 with cosine decay."""
+    mezo = engine == "mezo"
+    return {"lr": 1e-4 if mezo else 2e-4, "schedule": "constant" if mezo else "cosine"}

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -108,3 +111,31 @@ def from_env(timeout_s: float = 120.0, device: str = "cpu") -> DataParallel | No
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def launch_torchrun(argv: list[str], nproc: int, master_port: int, out: Path) -> int:
+    """`mesp train --nproc N …` = `torchrun --nproc-per-node N -m mesp train …`; `out` is where
+    the ranks save, named in the one line a failed run ends with."""
+    argv = list(argv)
+    if "--nproc" in argv:  # absent when the count came from a resumed run's flags
+        i = argv.index("--nproc")
+        del argv[i : i + 2]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(master_port),
+        "-m",
+        "mesp",
+        *argv,
+    ]
+    rc = subprocess.call(cmd)
+    if rc not in (0, 130, 143):  # torchrun's own report is long; end with the one line to act on
+        raise MespError(
+            f"a data-parallel rank failed (torchrun exit {rc}); the last saved state is in "
+            f"{out}: resume with mesp train --resume {out}"
+        )
+    return rc

@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from mesp.batch import Example
+from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.data.batches import iter_eval_batches
 from mesp.errors import MespError
+from mesp.loading.session import ModelOptions, open_with_adapter
 from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import chunked_ce_loss
 from mesp.training.distributed import DataParallel
+
+
+@dataclass
+class EvalOptions:
+    adapter: str | None = field(default=None, metadata={"help": "PEFT adapter directory"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per batch"})
+    max_batches: int = field(default=0, metadata={"help": "batches to score (0 = all)"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object"})
+
 
 EVAL_VOCAB_CHUNK = 16384  # head slices of this many rows: Gemma's 262k vocabulary stays small
 
@@ -54,3 +67,18 @@ def evaluate(
         raise MespError("validation set has no trained tokens")
     loss = total / n
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": n}
+
+
+def score(opts: ModelOptions, ev: EvalOptions, data: DataConfig) -> dict[str, float]:
+    """`mesp eval`: loss and perplexity of the model (+ adapter) on a file (all of it) or a
+    directory or the built-in set (its validation split), with the seconds it took."""
+    data, whole = data.for_scoring()
+    loaded = open_with_adapter(opts, ev.adapter)
+    tok = loaded.require_tokenizer()
+    data.check_positions(loaded.model.config.max_position_embeddings)
+    splits = load_splits(data, tok)
+    rows = splits["train"] if whole else splits["valid"]
+    t0 = time.perf_counter()
+    res = evaluate(loaded.model, rows, ev.batch_size, pad_id_of(tok), ev.max_batches)
+    res["seconds"] = time.perf_counter() - t0
+    return res

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mesp.cli_args import add_dataclass_args, from_args
+from mesp.cli.args import add_dataclass_args, from_args
 from mesp.errors import MespError
 
 

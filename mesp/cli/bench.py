@@ -12,6 +12,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from mesp.cli import bench_studies
+from mesp.cli.bench_studies import measure_then_report
 from mesp.errors import MespError
 
 TABLE_CHOICES = (
@@ -132,128 +134,18 @@ def command_line(ns: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def run_ladder(ns: argparse.Namespace) -> int:
-    from mesp.bench.ladder import LadderOptions, line, run_ladder
-    from mesp.bench.report import write_report
-
-    if not 0.0 < ns.fraction <= 1.0:
-        raise MespError(f"--fraction must be in (0, 1], got {ns.fraction}")
-    opts = LadderOptions(device=ns.device, dtype=ns.dtype, fraction=ns.fraction, out=ns.out)
-    opts.shape = (ns.shapes or (opts.shape,))[0]
-    opts.seqs = ns.seq or opts.seqs
-    opts.rungs, opts.timeout, opts.threads = ns.rungs, ns.timeout, ns.threads
-    parts = ["mesp", "bench", "ladder", "--shapes", opts.shape, "--device", ns.device]
-    parts += ["--seq", ",".join(map(str, opts.seqs)), "--dtype", ns.dtype]
-    if ns.rungs:
-        parts += ["--rungs", ",".join(ns.rungs)]
-    parts += ["--fraction", str(ns.fraction), "--out", str(ns.out)]
-    if ns.markdown:
-        parts += ["--markdown", str(ns.markdown)]
-    opts.command = shlex.join(parts)
-    if not ns.report_only:
-        ns.out.mkdir(parents=True, exist_ok=True)
-        for row in run_ladder(opts):
-            print(line(row))
-    if ns.markdown is not None:
-        print(f"wrote {write_report(ns.out, ns.markdown)}")
-    return 0
-
-
-def run_softmax(ns: argparse.Namespace) -> int:
-    from mesp.bench.report import write_report
-    from mesp.bench.softmax import SoftmaxConfig, line, run_softmax
-
-    if ns.train_steps < 1 or ns.vocab_subset < 1:
-        raise MespError("--train-steps and --vocab-subset must be positive")
-    seq = (ns.seq or (128,))[0]
-    base = SoftmaxConfig(
-        model="", loss="ce", steps=ns.train_steps, seq=seq, vocab_subset=ns.vocab_subset
-    )
-    cmd = shlex.join(
-        [
-            *("mesp", "bench", "softmax", "--models", ",".join(ns.models)),
-            *("--train-steps", str(ns.train_steps), "--seq", str(seq)),
-            *("--vocab-subset", str(ns.vocab_subset), "--out", str(ns.out)),
-            *(["--markdown", str(ns.markdown)] if ns.markdown else []),
-        ]
-    )
-    if not ns.report_only:
-        for row in run_softmax(tuple(ns.models), base, ns.out, ns.timeout, cmd):
-            print(line(row))
-    if ns.markdown is not None:
-        print(f"wrote {write_report(ns.out, ns.markdown)}")
-    return 0
-
-
-def run_dequant(ns: argparse.Namespace) -> int:
-    from mesp.bench.dequant import line, run_dequant
-    from mesp.bench.report import write_report
-
-    if ns.steps < 1 or ns.warmup < 0:
-        raise MespError("--steps must be >= 1 and --warmup >= 0")
-    parts = ["mesp", "bench", "dequant", "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
-    if ns.threads:
-        parts += ["--threads", str(ns.threads)]
-    parts += ["--out", str(ns.out)] + (["--markdown", str(ns.markdown)] if ns.markdown else [])
-    if not ns.report_only:
-        for row in run_dequant(ns.out, ns.steps, ns.warmup, ns.threads, shlex.join(parts)):
-            print(line(row))
-    if ns.markdown is not None:
-        print(f"wrote {write_report(ns.out, ns.markdown)}")
-    return 0
-
-
-def run_dropin(ns: argparse.Namespace) -> int:
-    """HF + PEFT, unpatched vs mesp.patch, gradient checkpointing off/on (mesp/bench/dropin.py).
-    --quick: the tiny Qwen2 shape at 32 and 64 tokens (seconds, for the tests). --device meta:
-    the exact peak on the meta device (no arithmetic, no time), for lengths a CPU cannot run."""
-    from mesp.bench import dropin as dropin_bench
-    from mesp.bench.report import write_report
-
-    if ns.steps < 1 or ns.warmup < 0:
-        raise MespError("--steps must be >= 1 and --warmup >= 0")
-    dtype, device = ns.dtype or "float32", ns.device or "cpu"
-    shape = (ns.shapes or ("tiny-qwen2" if ns.quick else "qwen2.5-0.5b",))[0]
-    seqs = ns.seq or ((32, 64) if ns.quick else (256, 1024))
-    rank = (ns.rank or (8,))[0]
-    if ns.quick and ns.threads is None:
-        ns.threads = 1
-    parts = ["mesp", "bench", "dropin", "--shapes", shape, "--seq", ",".join(map(str, seqs))]
-    parts += ["--rank", str(rank), "--dtype", dtype, "--steps", str(ns.steps)]
-    parts += ["--warmup", str(ns.warmup)]
-    if ns.threads:
-        parts += ["--threads", str(ns.threads)]
-    if ns.skip:
-        parts += ["--skip", ",".join(ns.skip)]
-    if device == "meta":
-        parts += ["--device", "meta"]
-    parts += ["--out", str(ns.out)] + (["--markdown", str(ns.markdown)] if ns.markdown else [])
-    if not ns.report_only:
-        rows = dropin_bench.run(
-            tuple(seqs), shape, dtype, ns.steps, ns.threads, timeout=ns.timeout, rank=rank,
-            warmup=ns.warmup, out=ns.out, command=shlex.join(parts), skip=tuple(ns.skip),
-            device=device,
-        )  # fmt: skip
-        for row in rows:
-            print(dropin_bench.line(row))
-    if ns.markdown is not None:
-        print(f"wrote {write_report(ns.out, ns.markdown)}")
-    return 0
-
-
 def run(ns: argparse.Namespace) -> int:
-    from mesp.bench.report import write_report
     from mesp.bench.tables import BenchOptions, run_table, summary
 
     if ns.table == "dropin":
-        return run_dropin(ns)
+        return bench_studies.run_dropin(ns)
     if ns.table == "dequant":
-        return run_dequant(ns)
+        return bench_studies.run_dequant(ns)
     if ns.table == "softmax":
-        return run_softmax(ns)
+        return bench_studies.run_softmax(ns)
     if ns.table == "ladder":
         ns.dtype, ns.device = ns.dtype or "float32", ns.device or "meta"
-        return run_ladder(ns)
+        return bench_studies.run_ladder(ns)
     ns.dtype, ns.device = ns.dtype or "bfloat16", ns.device or "cpu"
 
     if ns.steps < 1 or ns.warmup < 0:
@@ -279,14 +171,7 @@ def run(ns: argparse.Namespace) -> int:
         out=ns.out,
         command=command_line(ns),
     )
-    if not ns.report_only:
-        ns.out.mkdir(parents=True, exist_ok=True)
-        rows = run_table(table, opts)
-        for row in rows:
-            print(summary(row))
-    if ns.markdown is not None:
-        print(f"wrote {write_report(ns.out, ns.markdown, ns.dtype)}")
-    return 0
+    return measure_then_report(ns, lambda: run_table(table, opts), summary, ns.dtype, mkdir=True)
 
 
 __all__ = ["add_parser", "run"]

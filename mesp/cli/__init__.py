@@ -7,24 +7,22 @@ import argparse
 import logging
 import sys
 
-from mesp.cli_args import add_dataclass_args, apply_config_defaults, apply_resume_defaults
+from mesp.cli.args import add_dataclass_args, apply_config_defaults, apply_resume_defaults
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions
 from mesp.training import Interrupted
 
 
 def _parser() -> argparse.ArgumentParser:
-    from mesp.cli_options import (
-        EngineOptions,
-        EvalOptions,
-        GenerateOptions,
-        GradOptions,
-        MergeOptions,
-        RunOptions,
-    )
+    from mesp.convert.merge import MergeOptions
     from mesp.data import DataConfig
+    from mesp.engines.options import EngineOptions
+    from mesp.inference.generate import GenerateOptions
     from mesp.lora import LoraConfig
     from mesp.training import TrainConfig
+    from mesp.training.evaluate import EvalOptions
+    from mesp.training.grad import GradOptions
+    from mesp.training.run import RunOptions
 
     p = argparse.ArgumentParser(prog="mesp", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -56,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         LoraConfig,
         TrainConfig,
     )
-    # None = "not given": the engine decides (mesp.commands._engine_defaults)
+    # None = "not given": the engine decides (mesp.training.config.engine_defaults)
     sub.choices["train"].set_defaults(lr=None, schedule=None)
     command(
         "eval",
@@ -88,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_extensions(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Commands whose parsers live beside their code; each sets `run` on its namespace."""
-    from mesp import bench_cli, export_cli, plan_cli
+    from mesp.cli import bench as bench_cli
+    from mesp.cli import export as export_cli
+    from mesp.cli import plan as plan_cli
 
     plan_cli.add_parser(sub)
     bench_cli.add_parser(sub).set_defaults(run=bench_cli.run)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.argv = argv
         if hasattr(ns, "run"):
             return int(ns.run(ns))
-        from mesp import commands
+        from mesp.cli import commands
 
         return getattr(commands, f"cmd_{ns.cmd}")(ns)
     except MespError as e:

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-import torch
-
-from mesp.cli_args import add_dataclass_args, from_args
+from mesp.cli.args import add_dataclass_args, from_args
 from mesp.errors import MespError
 from mesp.loading.session import DTYPES, ModelOptions
 
@@ -99,103 +96,18 @@ def run_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _batches(ns: argparse.Namespace, loaded) -> list:  # type: ignore[no-untyped-def]
-    from mesp.batch import Batch, collate
-    from mesp.data import DataConfig, load_splits, pad_id_of
-
-    k, b, s = ns.batches, ns.batch_size, ns.seq_len
-    if loaded.tokenizer is None:  # random:SHAPE: nothing to tokenize with
-        g = torch.Generator().manual_seed(ns.seed)
-        v = loaded.model.config.vocab_size
-        ids = torch.randint(0, v, (k, b, s + 1), generator=g)
-        mask = torch.ones(b, s, dtype=torch.bool)
-        return [Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), mask) for x in ids]
-    rows = load_splits(DataConfig(path=ns.data, seq_len=s), loaded.tokenizer)["train"]
-    if len(rows) < k * b:
-        raise MespError(
-            f"--batches {k} × --batch-size {b} needs {k * b} rows; data has {len(rows)}"
-        )
-    pad = pad_id_of(loaded.tokenizer)
-    return [collate(rows[i * b : (i + 1) * b], pad) for i in range(k)]
-
-
 def run_analyze_grads(ns: argparse.Namespace) -> int:
-    from mesp.bench.grads import analyze_grads, write_analysis
-    from mesp.loading.session import open_model
-    from mesp.lora import LoraConfig, apply_lora
+    from mesp.bench.grads import GradStudy, run_analysis
 
     _positive(ns, "batches", "seq_len", "batch_size", "rank")
-    try:
-        samples = [int(x) for x in ns.samples.split(",") if x.strip()]
-    except ValueError:
-        raise MespError(f"--samples must be a comma list of integers, got {ns.samples!r}") from None
-    if ns.convergence:
-        return _run_convergence(ns)
-    loaded = open_model(from_args(ModelOptions, ns), seed=ns.seed)
-    apply_lora(loaded.model, LoraConfig(rank=ns.rank), seed=ns.seed)
-    batches = _batches(ns, loaded)
-    result = analyze_grads(loaded.model, batches, samples, ns.eps, ns.seed, ns.directional)
-    js, png = write_analysis(result, Path(ns.out))
-    means = ", ".join(f"n={n}: {c:+.5f}" for n, c in result["mean_cos_by_n"].items())
-    print(
-        f"mesp: d = {result['dimension']:,} adapter weights; mean cosine with the exact gradient "
-        f"{means} (one sample: E|cos| {result['mean_single_abs_cos']:.5f}, "
-        f"isotropic theory {result['theory_single_abs_cos']:.5f}); wrote {js} and {png}"
-    )
-    return 0
-
-
-def _run_convergence(ns: argparse.Namespace) -> int:
-    """mesp (exact gradients, AdamW) against mezo (SPSA, SGD) from the same weights, adapter
-    init and batch order: valid loss by step and by training second."""
-    from mesp.bench.grads import convergence
-    from mesp.data import DataConfig, load_splits, pad_id_of
-    from mesp.loading.session import open_model
-    from mesp.lora import LoraConfig, apply_lora
-    from mesp.training import TrainConfig
+    study, opts = from_args(GradStudy, ns), from_args(ModelOptions, ns)
+    study.sample_counts()  # a bad --samples fails before any work
+    if not study.convergence:
+        print(run_analysis(opts, study))
+        return 0
+    from mesp.bench.convergence import run_convergence
 
     _positive(ns, "convergence", "seq_len", "batch_size", "rank", "eval_batches")
-    opts = from_args(ModelOptions, ns)
-    first = open_model(opts, seed=ns.seed)
-    if first.tokenizer is None:
-        raise MespError("--convergence needs a model with a tokenizer (not random:SHAPE)")
-    splits = load_splits(DataConfig(path=ns.data, seq_len=ns.seq_len), first.tokenizer)
-    lora = LoraConfig(rank=ns.rank)
-    cache = [first]
-
-    def make_model():  # type: ignore[no-untyped-def]
-        loaded = cache.pop() if cache else open_model(opts, seed=ns.seed)
-        apply_lora(loaded.model, lora, seed=ns.seed)
-        return loaded.model
-
-    every = max(1, ns.convergence // 10)
-    cfg = TrainConfig(
-        steps=ns.convergence,
-        batch_size=ns.batch_size,
-        lr=ns.lr,
-        warmup=0,
-        schedule="constant",
-        eval_every=every,
-        eval_batches=ns.eval_batches,
-        save_every=ns.convergence,
-        seed=ns.seed,
-        progress=False,
-    )
-    mezo = {"lr": ns.zo_lr, "eps": ns.eps, "seed": ns.seed}
-    res = convergence(
-        make_model,
-        splits["train"],
-        splits["valid"],
-        cfg,
-        lora,
-        Path(ns.out),
-        engine_opts={"mezo": mezo},
-        pad_id=pad_id_of(first.tokenizer),
-    )
-    for name, r in res["runs"].items():
-        print(
-            f"mesp: {name}: valid loss {r['valid_loss'][0]:.4f} -> {r['valid_loss'][-1]:.4f} "
-            f"in {r['steps'][-1]} steps, {r['total_seconds']:.0f} s"
-        )
-    print(f"mesp: wrote {Path(ns.out) / 'convergence.json'} and convergence.png")
+    for line in run_convergence(opts, study):
+        print(line)
     return 0

@@ -1,0 +1,134 @@
+"""`mesp bench ladder | softmax | dequant | dropin`: the benchmarks beyond the paper's tables,
+each flags -> its options and the canonical command that reproduces it (for the report)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mesp.errors import MespError
+
+
+def measure_then_report(
+    ns: argparse.Namespace,
+    measure: Callable[[], Iterable[dict[str, Any]]],
+    line: Callable[[dict[str, Any]], str],
+    dtype: str = "bfloat16",
+    mkdir: bool = False,
+) -> int:
+    """Measure (unless --report-only), one line per row; then, with --markdown, rebuild the
+    report from every row under --out."""
+    from mesp.bench.report import write_report
+
+    if not ns.report_only:
+        if mkdir:
+            ns.out.mkdir(parents=True, exist_ok=True)
+        for row in measure():
+            print(line(row))
+    if ns.markdown is not None:
+        print(f"wrote {write_report(ns.out, ns.markdown, dtype)}")
+    return 0
+
+
+def run_ladder(ns: argparse.Namespace) -> int:
+    from mesp.bench.ladder import LadderOptions, line, run_ladder
+
+    if not 0.0 < ns.fraction <= 1.0:
+        raise MespError(f"--fraction must be in (0, 1], got {ns.fraction}")
+    opts = LadderOptions(device=ns.device, dtype=ns.dtype, fraction=ns.fraction, out=ns.out)
+    opts.shape = (ns.shapes or (opts.shape,))[0]
+    opts.seqs = ns.seq or opts.seqs
+    opts.rungs, opts.timeout, opts.threads = ns.rungs, ns.timeout, ns.threads
+    parts = ["mesp", "bench", "ladder", "--shapes", opts.shape, "--device", ns.device]
+    parts += ["--seq", ",".join(map(str, opts.seqs)), "--dtype", ns.dtype]
+    if ns.rungs:
+        parts += ["--rungs", ",".join(ns.rungs)]
+    parts += ["--fraction", str(ns.fraction), "--out", str(ns.out)]
+    if ns.markdown:
+        parts += ["--markdown", str(ns.markdown)]
+    opts.command = shlex.join(parts)
+    return measure_then_report(ns, lambda: run_ladder(opts), line, mkdir=True)
+
+
+def run_softmax(ns: argparse.Namespace) -> int:
+    from mesp.bench.softmax import SoftmaxConfig, line, run_softmax
+
+    if ns.train_steps < 1 or ns.vocab_subset < 1:
+        raise MespError("--train-steps and --vocab-subset must be positive")
+    seq = (ns.seq or (128,))[0]
+    base = SoftmaxConfig(
+        model="", loss="ce", steps=ns.train_steps, seq=seq, vocab_subset=ns.vocab_subset
+    )
+    cmd = shlex.join(
+        [
+            *("mesp", "bench", "softmax", "--models", ",".join(ns.models)),
+            *("--train-steps", str(ns.train_steps), "--seq", str(seq)),
+            *("--vocab-subset", str(ns.vocab_subset), "--out", str(ns.out)),
+            *(["--markdown", str(ns.markdown)] if ns.markdown else []),
+        ]
+    )
+    return measure_then_report(
+        ns, lambda: run_softmax(tuple(ns.models), base, ns.out, ns.timeout, cmd), line
+    )
+
+
+def run_dequant(ns: argparse.Namespace) -> int:
+    from mesp.bench.dequant import line, run_dequant
+
+    if ns.steps < 1 or ns.warmup < 0:
+        raise MespError("--steps must be >= 1 and --warmup >= 0")
+    parts = ["mesp", "bench", "dequant", "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    if ns.threads:
+        parts += ["--threads", str(ns.threads)]
+    parts += ["--out", str(ns.out)] + (["--markdown", str(ns.markdown)] if ns.markdown else [])
+    cmd = shlex.join(parts)
+    return measure_then_report(
+        ns, lambda: run_dequant(ns.out, ns.steps, ns.warmup, ns.threads, cmd), line
+    )
+
+
+def run_dropin(ns: argparse.Namespace) -> int:
+    """HF + PEFT, unpatched vs mesp.patch, gradient checkpointing off/on (mesp/bench/dropin.py).
+    --quick: the tiny Qwen2 shape at 32 and 64 tokens (seconds, for the tests). --device meta:
+    the exact peak on the meta device (no arithmetic, no time), for lengths a CPU cannot run."""
+    from mesp.bench import dropin as dropin_bench
+
+    if ns.steps < 1 or ns.warmup < 0:
+        raise MespError("--steps must be >= 1 and --warmup >= 0")
+    dtype, device = ns.dtype or "float32", ns.device or "cpu"
+    shape = (ns.shapes or ("tiny-qwen2" if ns.quick else "qwen2.5-0.5b",))[0]
+    seqs = ns.seq or ((32, 64) if ns.quick else (256, 1024))
+    rank = (ns.rank or (8,))[0]
+    if ns.quick and ns.threads is None:
+        ns.threads = 1
+    parts = ["mesp", "bench", "dropin", "--shapes", shape, "--seq", ",".join(map(str, seqs))]
+    parts += ["--rank", str(rank), "--dtype", dtype, "--steps", str(ns.steps)]
+    parts += ["--warmup", str(ns.warmup)]
+    if ns.threads:
+        parts += ["--threads", str(ns.threads)]
+    if ns.skip:
+        parts += ["--skip", ",".join(ns.skip)]
+    if device == "meta":
+        parts += ["--device", "meta"]
+    parts += ["--out", str(ns.out)] + (["--markdown", str(ns.markdown)] if ns.markdown else [])
+    cmd = shlex.join(parts)
+    return measure_then_report(
+        ns,
+        lambda: dropin_bench.run(
+            tuple(seqs),
+            shape,
+            dtype,
+            ns.steps,
+            ns.threads,
+            timeout=ns.timeout,
+            rank=rank,
+            warmup=ns.warmup,
+            out=ns.out,
+            command=cmd,
+            skip=tuple(ns.skip),
+            device=device,
+        ),  # fmt: skip
+        dropin_bench.line,
+    )

@@ -1,0 +1,91 @@
+"""`mesp grad`: the LoRA gradients of one batch under PEFT key names, from any exact engine, so
+engines (and other tools) can be compared tensor by tensor."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mesp.atomic_io import atomic_write
+from mesp.batch import collate
+from mesp.data import DataConfig, load_splits, pad_id_of
+from mesp.engines import make_engine
+from mesp.engines.options import EngineOptions, engine_kwargs
+from mesp.errors import MespError
+from mesp.loading.session import ModelOptions, open_with_adapter
+from mesp.lora import LoraConfig, adapter_state, apply_lora, check_output_dir
+
+
+@dataclass
+class GradOptions:
+    out: str = field(
+        default="", metadata={"help": "output .safetensors (PEFT key names)", "required": True}
+    )
+    adapter: str | None = field(
+        default=None, metadata={"help": "adapter to differentiate (default: a fresh one)"}
+    )
+    init_b: float = field(
+        default=0.0,
+        metadata={
+            "help": "fresh adapter only: std of a random lora_B (0 = PEFT's zeros, which makes "
+            "every lora_A gradient zero)"
+        },
+    )
+    batch_size: int = field(default=1, metadata={"help": "sequences in the batch"})
+    seed: int = field(default=0, metadata={"help": "seed for the fresh adapter and data order"})
+
+
+def grad(
+    opts: ModelOptions, eng: EngineOptions, g: GradOptions, data: DataConfig, lora: LoraConfig
+) -> str:
+    """Write the gradients of the first `g.batch_size` rows to `g.out`; returns the line that
+    says what was written."""
+    out = Path(g.out)
+    if out.is_dir():
+        raise MespError(f"{out}: is a directory; give a .safetensors file path")
+    if eng.engine == "mezo":
+        raise MespError(
+            "mesp grad: mezo computes no gradient (one projected scalar per probe); "
+            "use --engine bp, mebp or mesp"
+        )
+    if g.adapter and g.init_b:
+        raise MespError("--init-b applies to a fresh adapter; drop it or drop --adapter")
+    if g.batch_size < 1:
+        raise MespError(f"--batch-size must be at least 1, got {g.batch_size}")
+    data, _ = data.for_scoring()
+    check_output_dir(out.parent)  # fail before the work, not after
+    engine = make_engine(eng.engine, **engine_kwargs(eng, opts.quantize, g.seed))
+    loaded = open_with_adapter(opts, g.adapter)
+    model, tok = loaded.model, loaded.require_tokenizer()
+    data.check_positions(model.config.max_position_embeddings)
+    engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
+    if not g.adapter:
+        apply_lora(model, lora, seed=g.seed)
+        if g.init_b:
+            gen = torch.Generator().manual_seed(g.seed + 1)
+            for mod in model.lora_modules().values():
+                b = torch.randn(mod.lora_B.shape, generator=gen) * g.init_b
+                mod.lora_B.data.copy_(b.to(mod.lora_B.dtype))
+        else:
+            print(
+                "mesp: note: a fresh adapter has lora_B = 0, so every lora_A gradient is 0 "
+                "(give --adapter or --init-b 0.01 to compare engines on both)",
+                file=sys.stderr,
+            )
+    rows = load_splits(data, tok)["train"][: g.batch_size]
+    batch = collate(rows, pad_id_of(tok)).to(model.device)
+    loss = engine.step(model, batch, batch.n_tokens)
+    params = [p for mod in model.lora_modules().values() for p in (mod.lora_A, mod.lora_B)]
+    # A then B for each adapted module: adapter_state's key order
+    grads = {k: p.grad.contiguous() for k, p in zip(adapter_state(model), params, strict=True)}
+    meta = {
+        "engine": engine.name,
+        "loss": f"{loss / batch.n_tokens:.8f}",
+        "tokens": str(batch.n_tokens),
+    }
+    atomic_write(out, lambda p: save_file(grads, p, metadata=meta))
+    return f"mesp: wrote {len(grads)} gradients (loss {loss / batch.n_tokens:.4f}) to {out}"

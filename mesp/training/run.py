@@ -1,0 +1,215 @@
+"""`mesp train` as a library function: `run(TrainJob(...))` checks the setup, loads the model,
+trains, and writes the adapter with its run_args.json, baseline and summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesp.atomic_io import atomic_write
+from mesp.data import DataConfig, load_splits, pad_id_of
+from mesp.engines import make_engine
+from mesp.engines.options import EngineOptions, engine_kwargs
+from mesp.errors import MespError
+from mesp.loading.session import ModelOptions, open_model
+from mesp.lora import LoraConfig, apply_lora, check_output_dir
+from mesp.training.budget import check_budget
+from mesp.training.checkpoint import check_fingerprint, fingerprint, load_state
+from mesp.training.config import TrainConfig
+from mesp.training.distributed import from_env, launch_torchrun, shutdown
+from mesp.training.evaluate import evaluate
+from mesp.training.loop import train
+
+
+@dataclass
+class RunOptions:
+    config: str | None = field(
+        default=None, metadata={"help": "YAML/TOML file of flag values (flags given here win)"}
+    )
+    adapter_out: str = field(
+        default="adapters", metadata={"help": "directory for the adapter, state and logs"}
+    )
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "continue the run saved in DIR (its flags are the defaults)",
+            "metavar": "DIR",
+        },
+    )
+    max_memory: str | None = field(
+        default=None,
+        metadata={
+            "help": "memory budget, e.g. 500MB: refuse a setup the planner says won't fit, "
+            "stop and save if the measured peak crosses it"
+        },
+    )
+    nproc: int = field(
+        default=1, metadata={"help": "data-parallel processes on this machine (launches torchrun)"}
+    )
+    master_port: int = field(default=29517, metadata={"help": "torchrun rendezvous port"})
+    dist_timeout: float = field(
+        default=120.0, metadata={"help": "seconds before surviving ranks give up on a dead one"}
+    )
+
+
+@dataclass
+class TrainJob:
+    """Everything `mesp train` was given, as the dataclasses its flags fill."""
+
+    run: RunOptions
+    model: ModelOptions
+    engine: EngineOptions
+    data: DataConfig  # data.seed is train.seed: one --seed orders the data and seeds LoRA
+    lora: LoraConfig
+    train: TrainConfig
+    argv: list[str] = field(default_factory=list)  # the command line, for the torchrun launcher
+
+    @property
+    def out(self) -> Path:
+        return Path(self.run.resume or self.run.adapter_out)
+
+    def flags(self) -> dict[str, Any]:
+        """The flag values a resume restores (run_args.json), in the parser's order."""
+        skip = {"config", "resume"}
+        run = {k: v for k, v in asdict(self.run).items() if k not in skip}
+        data = {k: v for k, v in asdict(self.data).items() if k != "seed"}
+        parts = (asdict(self.model), asdict(self.engine), data, asdict(self.lora))
+        return {**run, **{k: v for p in parts for k, v in p.items()}, **asdict(self.train)}
+
+
+def _warn_if_schedule_changes(job: TrainJob) -> None:
+    """--steps is not part of the fingerprint (a run may be extended), but a cosine schedule
+    stretches with it: say that the result will differ from an uninterrupted run."""
+    f = job.out / "run_args.json"
+    try:
+        old = json.loads(f.read_text()).get("steps")
+    except (OSError, json.JSONDecodeError):
+        return
+    if old is not None and old != job.train.steps and job.train.schedule == "cosine":
+        print(
+            f"mesp: warning: --steps {job.train.steps} differs from the run's {old}: the cosine "
+            "schedule stretches, so the result differs from an uninterrupted run",
+            file=sys.stderr,
+        )
+
+
+def run(job: TrainJob) -> int:
+    """Train as `mesp train` does; returns the exit code (0, or torchrun's for --nproc N)."""
+    if job.run.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_torchrun(job.argv, job.run.nproc, job.run.master_port, job.out)
+    if job.run.resume:
+        _warn_if_schedule_changes(job)
+    if job.model.device.startswith("cuda") and "LOCAL_RANK" in os.environ:
+        job.model.device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per data-parallel rank
+    job.data.validate()
+    kw = engine_kwargs(job.engine, job.model.quantize, job.train.seed, job.train.weight_decay)
+    engine = make_engine(job.engine.engine, **kw)
+    out = job.out
+    check_output_dir(out)
+    resume = load_state(out) if job.run.resume else None
+    budget = check_budget(
+        job.run.max_memory, job.model, job.engine.engine, job.data, job.lora, job.train
+    )
+    dp = from_env(job.run.dist_timeout, job.model.device)
+    main = dp is None or dp.is_main
+    say = print if main else (lambda *a, **k: None)
+    try:
+        loaded = open_model(job.model, seed=job.train.seed)
+        model, tok = loaded.model, loaded.require_tokenizer()
+        job.data.check_positions(model.config.max_position_embeddings)
+        engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
+        fp = fingerprint(loaded, job.model, job.engine.engine, kw, job.data, job.lora, job.train)
+        if resume is not None:
+            check_fingerprint(resume, fp, out)
+        splits = load_splits(job.data, tok)
+        pad = pad_id_of(tok)
+        n_params = apply_lora(model, job.lora, seed=job.train.seed)
+        if job.engine.zo_full:
+            _full_model_dir(model, tok, out, resume is not None, main)
+        ranks = f", {dp.world} ranks" if dp is not None else ""
+        say(
+            f"mesp: {loaded.source} ({model.config.family}, {job.model.quantize}-bit base, "
+            f"{job.model.dtype}), {n_params:,} LoRA parameters, engine {engine.name}{ranks}, "
+            f"{len(splits['train'])} train / {len(splits['valid'])} valid rows"
+        )
+        base_f = out / "baseline.json"  # the untrained adapter's score, kept across resumes
+        before: dict = {}
+        reuse = resume is not None and base_f.exists()
+        cfg = job.train
+        if splits["valid"] and not reuse:  # every rank scores its share
+            before = evaluate(model, splits["valid"], cfg.batch_size, pad, cfg.eval_batches, dp)
+        if main:
+            flags = {**job.flags(), "nproc": dp.world if dp is not None else 1}
+            atomic_write(out / "run_args.json", lambda p: Path(p).write_text(json.dumps(flags)))
+            if reuse:
+                before = json.loads(base_f.read_text())
+            elif before:
+                atomic_write(base_f, lambda p: Path(p).write_text(json.dumps(before)))
+        res = train(
+            model,
+            engine,
+            splits["train"],
+            splits["valid"],
+            cfg,
+            job.lora,
+            out,
+            pad_id=pad,
+            base_name=loaded.source,
+            fingerprint=fp,
+            resume=resume,
+            dp=dp,
+            max_memory=budget,
+        )
+    finally:
+        shutdown()
+    if not main:
+        return 0
+    after = res.valid[-1] if res.valid else {}
+    summary = {
+        "valid_ppl_before": before.get("ppl"),
+        "valid_ppl_after": after.get("ppl"),
+        "peak_rss_mb": (res.peak_rss_bytes or 0) / 2**20,
+        "seconds": res.seconds,
+        "adapter": str(out),
+    }
+    atomic_write(
+        out / "summary.json", lambda p: Path(p).write_text(json.dumps(summary, indent=2) + "\n")
+    )
+    ppl = (
+        f"valid perplexity {before['ppl']:.2f} -> {after['ppl']:.2f}"
+        if before and after
+        else "no validation set"
+    )
+    print(
+        f"mesp: {ppl}; peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; "
+        f"adapter in {out}"
+    )
+    return 0
+
+
+def _full_model_dir(model, tok, out: Path, resuming: bool, main: bool) -> None:  # type: ignore[no-untyped-def]
+    """--zo-full trains the base weights too: they are saved (beside the adapter) as a model
+    directory in OUT/model at every checkpoint; a resume reads them back from there."""
+    from mesp.convert.merge import write_tokenizer
+
+    d = out / "model"
+    if resuming:
+        from safetensors.torch import load_file
+
+        f = d / "model.safetensors"
+        if not f.exists():
+            raise MespError(f"{f}: missing; --zo-full resumes its trained weights from there")
+        modules = dict(model.named_modules())
+        for name, t in load_file(str(f)).items():
+            mod_name, attr = name.rsplit(".", 1)
+            if mod_name not in modules:
+                raise MespError(f"{f}: tensor {name} does not belong to this model")
+            getattr(modules[mod_name], attr).copy_(t)
+    elif main:
+        d.mkdir(parents=True, exist_ok=True)
+        if tok is not None:
+            write_tokenizer(tok, d)
