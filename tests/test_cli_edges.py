@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from mesp.cli import main
-from tests.tiny_dir import make_jsonl, make_model_dir
+from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
 FAST = ["--quantize", "none", "--seq-len", "48", "--no-progress", "--eval-batches", "1"]
 
@@ -27,9 +27,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+def _argv(env: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return train_argv(env["model"], env["data"], out, *FAST, *extra)
+
+
 def _train(env: dict[str, Path], out: Path, *extra: str) -> int:
-    argv = ["train", "--model", str(env["model"]), "--data", str(env["data"]), *FAST]
-    return main([*argv, "--adapter-out", str(out), *extra])
+    return main(_argv(env, out, *extra))
 
 
 def test_config_file_takes_every_flag_by_its_name(
@@ -161,8 +164,7 @@ def test_disk_full_during_a_real_save_is_one_line_and_keeps_the_old_adapter(
         f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    argv = ["train", "--model", str(env["model"]), "--data", str(env["data"]), *FAST]
-    argv += ["--adapter-out", str(out), "--steps", "1", "--seed", "1"]
+    argv = _argv(env, out, "--steps", "1", "--seed", "1")
     r = subprocess.run(
         [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300
     )
@@ -201,8 +203,7 @@ def test_max_memory_stops_mid_run_saves_and_resumes(
     peak (weights + what training adds to RSS) crosses: stop at step 1, save, resume later."""
     out = tmp_path / "out"
     # a fresh process: in pytest's, earlier tests' freed heap would absorb the step's growth
-    argv = ["train", "--model", str(env["model"]), "--data", str(env["data"]), *FAST]
-    argv += ["--adapter-out", str(out), "--steps", "3", "--max-memory", "3MB"]
+    argv = _argv(env, out, "--steps", "3", "--max-memory", "3MB")
     r = subprocess.run(
         [sys.executable, "-m", "mesp", *argv], capture_output=True, text=True, timeout=300
     )

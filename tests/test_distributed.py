@@ -4,49 +4,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.tiny_dir import make_jsonl, make_model_dir
+from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
 
 def _argv(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "mesp",
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--quantize",
-        "none",
-        "--seq-len",
-        "40",
-        "--batch-size",
-        "4",
-        "--steps",
-        "10",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-        "--warmup",
-        "0",
-        "--eval-every",
-        "0",
-        "--eval-batches",
-        "1",
-        "--no-progress",
-        "--adapter-out",
-        str(out),
-        *extra,
-    ]
+    return train_argv(
+        model, data, out, *extra, python=True, quantize="none", seq_len=40, batch_size=4,
+        steps=10, optimizer="sgd", lr=0.05, warmup=0, eval_every=0, eval_batches=1,
+    )  # fmt: skip
 
 
 def _train(model: Path, data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_dir import make_jsonl, make_model_dir
+from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
 STEPS = 10
 SAVE_EVERY = 3
@@ -30,39 +30,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _argv(model: Path, data: Path, out: Path, engine: str, save_every: int = 1) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "mesp.cli",
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--engine",
-        engine,
-        "--quantize",
-        "none",
-        "--seq-len",
-        "48",
-        "--batch-size",
-        "2",
-        "--steps",
-        str(STEPS),
-        "--save-every",
-        str(save_every),
-        "--eval-every",
-        "4",
-        "--eval-batches",
-        "1",
-        "--lr",
-        "5e-3",
-        "--rank",
-        "2",
-        "--no-progress",
-        "--adapter-out",
-        str(out),
-    ]
+    return train_argv(
+        model, data, out, python=True, engine=engine, quantize="none", seq_len=48, batch_size=2,
+        steps=STEPS, save_every=save_every, eval_every=4, eval_batches=1, lr="5e-3", rank=2,
+    )  # fmt: skip
 
 
 def _steps_done(out: Path) -> int:

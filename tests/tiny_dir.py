@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -52,3 +53,16 @@ def make_jsonl(path: Path, n: int = 40) -> Path:
     rows = [{"prompt": TEXT[i % 5], "completion": " " + TEXT[(i + 1) % 5]} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def train_argv(
+    model: Path, data: Path, out: Path, *extra: str, python: bool = False, **flags: object
+) -> list[str]:
+    """`mesp train --model M --data D --FLAG V … --no-progress --adapter-out OUT EXTRA…`, with
+    keyword flags by their dataclass names (seq_len=48 -> --seq-len 48); `python`: as the
+    command `python -m mesp train …`, for tests that need a process of its own."""
+    argv = ["train", "--model", str(model), "--data", str(data)]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    argv += ["--no-progress", "--adapter-out", str(out), *extra]
+    return [sys.executable, "-m", "mesp", *argv] if python else argv

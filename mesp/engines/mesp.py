@@ -86,10 +86,7 @@ def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
         hs["down_proj"] = gated_act(tape["gate"], tape["up"], mlp.act) @ a_down.t()
         return hs
     n2 = tape["n2"].reshape(-1, tape["n2"].shape[-1])  # tiled MLP: down's input per tile
-    parts = []
-    for r in range(0, n2.shape[0], mlp.tile):
-        t = n2[r : r + mlp.tile]
-        parts.append(gated_act(mlp.gate_proj(t), mlp.up_proj(t), mlp.act) @ a_down.t())
+    parts = [mlp.inner(n2[sl]) @ a_down.t() for sl in mlp.tiles(n2.shape[0])]
     hs["down_proj"] = torch.cat(parts).view(b, s, -1)
     return hs
 
@@ -124,8 +121,7 @@ def _mlp_backward(mlp: MLP, dd: Tensor, tape: Tape, hs: dict[str, Tensor]) -> Te
         if k in ("gate_proj", "up_proj", "down_proj")
     }
     dn2 = torch.empty_like(n2)
-    for r in range(0, n2.shape[0], mlp.tile):
-        sl = slice(r, r + mlp.tile)
+    for sl in mlp.tiles(n2.shape[0]):
         t = n2[sl]
         tile_h = {k: v[sl] for k, v in mlp_h.items()}
         dn2[sl] = _mlp_piece(mlp, dd[sl], t, mlp.gate_proj(t), mlp.up_proj(t), tile_h)

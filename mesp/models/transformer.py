@@ -6,6 +6,7 @@ HF, MLX and PEFT state dicts map one to one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +136,14 @@ class MLP(nn.Module):
         """Whether a no-grad pass over x runs in token tiles (see forward)."""
         return not torch.is_grad_enabled() and x.numel() // x.shape[-1] > self.tile
 
+    def tiles(self, rows: int) -> Iterator[slice]:
+        """The token slices, `tile` rows each, that a tiled pass over `rows` tokens takes."""
+        return (slice(r, r + self.tile) for r in range(0, rows, self.tile))
+
+    def inner(self, x: Tensor) -> Tensor:
+        """act(gate(x)) · up(x): the input of down_proj."""
+        return gated_act(self.gate_proj(x), self.up_proj(x), self.act)
+
     def forward(self, x: Tensor, tape: Tape | None = None) -> Tensor:
         if self.tiled(x):
             # The MLP acts per token: without autograd, run it `tile` tokens at a time so the
@@ -142,11 +151,8 @@ class MLP(nn.Module):
             # tape: the structured backward recomputes gate/up tile by tile from n2.
             x2 = x.reshape(-1, x.shape[-1])
             out = x.new_empty(x2.shape[0], self.down_proj.out_features)
-            for r0 in range(0, x2.shape[0], self.tile):
-                xc = x2[r0 : r0 + self.tile]
-                m = gated_act(self.gate_proj(xc), self.up_proj(xc), self.act)
-                out[r0 : r0 + self.tile] = self.down_proj(m)
-                del m
+            for sl in self.tiles(x2.shape[0]):
+                out[sl] = self.down_proj(self.inner(x2[sl]))
             return out.view(*x.shape[:-1], -1)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if tape is not None:  # act(gate)·up is recomputed in backward; gate and up are kept
