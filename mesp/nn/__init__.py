@@ -5,16 +5,18 @@
 PEFT model in place (public as `mesp.patch` / `mesp.unpatch`).
 """
 
-from mesp.nn.modules import (
-    ChunkedLMHeadLoss,
-    FusedLoRAMLP,
-    FusedLoRAProjections,
+from mesp.nn.functions import (
     Proj,
-    StructuredLoRALinear,
     linear_cross_entropy,
     lora_gated_mlp,
     lora_linear,
     lora_shared_input,
+)
+from mesp.nn.modules import (
+    ChunkedLMHeadLoss,
+    FusedLoRAMLP,
+    FusedLoRAProjections,
+    StructuredLoRALinear,
     projection,
 )
 

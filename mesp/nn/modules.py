@@ -166,17 +166,3 @@ class ChunkedLMHeadLoss(nn.Module):
         return linear_cross_entropy(
             h, frozen.base, labels, softcap=self.softcap, shift=self.shift, **kw
         )
-
-
-__all__ = [
-    "ChunkedLMHeadLoss",
-    "FusedLoRAMLP",
-    "FusedLoRAProjections",
-    "Proj",
-    "StructuredLoRALinear",
-    "linear_cross_entropy",
-    "lora_gated_mlp",
-    "lora_linear",
-    "lora_shared_input",
-    "projection",
-]
