@@ -4,6 +4,8 @@ transformers and (when quantized) MLX load: config.json + model.safetensors + to
 Unquantized, the directory is an HF checkpoint in --dtype. With --quantize 4|8 the merged
 weights are requantized (MLX layout: uint32 words, scales, biases, "quantization" in
 config.json), the form mlx-community publishes; mesp loads it back bit for bit.
+An --out ending in .gguf writes one llama.cpp GGUF file instead (gguf_model.py), F32/F16/BF16
+per --dtype or the type --gguf-type names.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from mesp.atomic_io import atomic_write
+from mesp.convert.gguf_model import DEFAULT_TYPE, GGUF_TYPES, write_model_gguf
+from mesp.convert.gguf_vocab import vocab_kvs
 from mesp.errors import MespError
 from mesp.loading.build import expected_tensors
 from mesp.loading.session import ModelOptions, open_model
@@ -112,8 +116,17 @@ class MergeOptions:
         default="",
         metadata={
             "help": "directory for the merged model (config.json, model.safetensors, "
-            "tokenizer); with --quantize 4|8 it is written in MLX's quantized layout",
+            "tokenizer); with --quantize 4|8 it is written in MLX's quantized layout; a "
+            "FILE.gguf: one llama.cpp GGUF file (tokenizer and chat template included)",
             "required": True,
+        },
+    )
+    gguf_type: str = field(
+        default="",
+        metadata={
+            "help": "tensor type of a .gguf --out: f32, f16, bf16, q8_0 or q4_0 "
+            "(default: f32/f16/bf16 as --dtype; norms and biases are always f32)",
+            "metavar": "TYPE",
         },
     )
 
@@ -122,6 +135,10 @@ def merge(opts: ModelOptions, m: MergeOptions) -> str:
     """`mesp merge`: fold the adapter into its base, write the model directory, and return the
     line that says what was written."""
     out, src = Path(m.out), Path(opts.model)
+    if out.suffix == ".gguf":
+        return merge_to_gguf(opts, m)
+    if m.gguf_type:
+        raise MespError(f"--gguf-type needs an --out ending in .gguf, got {out}")
     if src.is_dir() and out.resolve() == src.resolve():
         raise MespError(f"{out}: is the base model's directory; give a new --out")
     check_output_dir(out)
@@ -132,3 +149,28 @@ def merge(opts: ModelOptions, m: MergeOptions) -> str:
     write_model_dir(loaded.model, loaded.tokenizer, out)
     how = f"{opts.quantize}-bit (MLX layout)" if opts.quant else opts.dtype
     return f"mesp: merged rank-{cfg.rank} adapter {m.adapter} into {loaded.source}; {how} in {out}"
+
+
+def merge_to_gguf(opts: ModelOptions, m: MergeOptions) -> str:
+    """`mesp merge … --out FILE.gguf`: the merged model as one llama.cpp GGUF file."""
+    out = Path(m.out)
+    gtype = m.gguf_type or DEFAULT_TYPE.get(opts.dtype, "f32")
+    if gtype not in GGUF_TYPES:
+        raise MespError(f"--gguf-type {gtype!r}: choose from {', '.join(GGUF_TYPES)}")
+    if opts.quantize != "none":
+        raise MespError("--quantize applies to model directories; a .gguf takes --gguf-type")
+    if out.is_dir():
+        raise MespError(f"{out}: is a directory; give a file name ending in .gguf")
+    if out.exists() and Path(opts.model).exists() and out.resolve() == Path(opts.model).resolve():
+        raise MespError(f"{out}: is the base model's file; give a new --out")
+    check_output_dir(out.parent)
+    # merged in float32 whatever --dtype says: the file's type decides the precision
+    loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype="float32"))
+    cfg = load_adapter(loaded.model, Path(m.adapter))
+    vocab = vocab_kvs(loaded, loaded.model.config.vocab_size)  # fail before the merge
+    merge_into_base(loaded.model, None)
+    name = Path(loaded.source).stem if Path(loaded.source).suffix else Path(loaded.source).name
+    write_model_gguf(loaded.model.config, model_tensors(loaded.model), vocab, out, gtype, name)
+    return (
+        f"mesp: merged rank-{cfg.rank} adapter {m.adapter} into {loaded.source}; {gtype} GGUF {out}"
+    )

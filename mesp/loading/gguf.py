@@ -143,7 +143,11 @@ class _Header:
         return self.scalar(vtype)
 
 
-def _parse(buf: mmap.mmap, where: str) -> tuple[dict[str, Any], dict[str, _Info]]:
+def _parse(
+    buf: mmap.mmap, where: str, kinds: dict[str, tuple[int, int | None]] | None = None
+) -> tuple[dict[str, Any], dict[str, _Info]]:
+    """(metadata, tensor infos); `kinds`, when given, gets each key's value type (and an array's
+    element type), so a writer can copy keys exactly (mesp.convert.gguf_model)."""
     h = _Header(buf, where)
     if len(buf) < 4 or buf[:4] != b"GGUF":
         raise MespError(f"{where}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
@@ -156,8 +160,12 @@ def _parse(buf: mmap.mmap, where: str) -> tuple[dict[str, Any], dict[str, _Info]
     n_tensors, n_kv = h.scalar(10), h.scalar(10)
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
-        key = h.string()
-        meta[key] = h.value(h.scalar(4))
+        key, vtype = h.string(), h.scalar(4)
+        if kinds is not None:
+            arr = vtype == 9 and h.pos + 4 <= len(buf)  # a cut file fails in h.value
+            sub = struct.unpack_from("<I", buf, h.pos)[0] if arr else None
+            kinds[key] = (vtype, sub)
+        meta[key] = h.value(vtype)
     raw = []
     for _ in range(n_tensors):
         name, ndim = h.string(), h.scalar(4)
@@ -409,6 +417,16 @@ class GGUFFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_metadata(path: Path) -> dict[str, tuple[Any, int, int | None]]:
+    """Every metadata key of a GGUF file as (value, GGUF value type, array element type or
+    None), tensors left unread."""
+    kinds: dict[str, tuple[int, int | None]] = {}
+    with GGUFFile(path) as g:
+        assert g._buf is not None
+        meta, _ = _parse(g._buf, g.where, kinds)
+    return {k: (v, *kinds[k]) for k, v in meta.items()}
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:

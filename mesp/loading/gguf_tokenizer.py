@@ -38,7 +38,7 @@ _TEKKEN_SPLIT = (
 )
 # tokenizer.ggml.pre -> regex split before byte-level BPE. None = GPT-2's regex (ByteLevel's own);
 # "digits" = GPT-2's regex after isolating every digit, as SmolLM2's tokenizer.json does.
-_PRE: dict[str, str | None] = {
+PRE_SPLITS: dict[str, str | None] = {
     "default": None,
     "gpt2": None,
     "smollm": "digits",
@@ -111,11 +111,12 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], where: str) -> HFTok
     if bad is not None:
         raise MespError(f"{where}: tokenizer.ggml.merges[{bad}] is not two tokens and a space")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE:
+    if pre not in PRE_SPLITS:
         raise MespError(
-            f"{where}: tokenizer.ggml.pre = {pre!r} is not supported ({', '.join(sorted(_PRE))})"
+            f"{where}: tokenizer.ggml.pre = {pre!r} is not supported "
+            f"({', '.join(sorted(PRE_SPLITS))})"
         )
-    split = _PRE[pre]
+    split = PRE_SPLITS[pre]
     tok = HFTokenizer(
         BPE(
             vocab,

@@ -1,0 +1,182 @@
+"""Write a (merged) model as a llama.cpp GGUF file, the way llama.cpp's convert_hf_to_gguf.py
+writes the same HF checkpoint.
+
+What the converter does, and so what we do (mesp/loading/gguf.py undoes each on the way in):
+- tensor names come from gguf-py's own `TensorNameMap` for the architecture (HF -> GGUF);
+- llama's q/k rows are permuted per head (`LlamaModel.permute`: ggml's rope pairs adjacent
+  dims, HF's pairs the two halves);
+- Gemma 3 norms are stored as 1 + w (`Gemma3Model.norm_shift`);
+- Llama 3 rope scaling becomes a `rope_freqs.weight` tensor of per-frequency divisors
+  (`LlamaModel.generate_extra_tensors`);
+- 1-D tensors and norms stay F32; 2-D ones take the chosen type, and a row length that the
+  block size does not divide falls back to F16 (the converter's fallback).
+The hyperparameter keys are those `TextModel.set_gguf_parameters` and the per-family classes
+write; the tokenizer keys come from `gguf_vocab`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import LlamaFileType as FT
+
+from mesp.atomic_io import atomic_write
+from mesp.config import FULL, SLIDING, ModelConfig
+from mesp.convert.gguf_vocab import KV
+from mesp.errors import MespError
+
+# --gguf-type -> (tensor type of 2-D weights, general.file_type)
+GGUF_TYPES = {
+    "f32": (QT.F32, FT.ALL_F32),
+    "f16": (QT.F16, FT.MOSTLY_F16),
+    "bf16": (QT.BF16, FT.MOSTLY_BF16),
+    "q8_0": (QT.Q8_0, FT.MOSTLY_Q8_0),
+    "q4_0": (QT.Q4_0, FT.MOSTLY_Q4_0),
+}
+# the default per --dtype: the merged model's own precision
+DEFAULT_TYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+ARCHS = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma3": gguf.MODEL_ARCH.GEMMA3,
+}
+
+
+def gguf_names(cfg: ModelConfig, hf_names: Iterable[str]) -> dict[str, str]:
+    """HF tensor name -> llama.cpp's, by gguf-py's map for this architecture."""
+    tmap = gguf.get_tensor_name_map(ARCHS[cfg.family], cfg.num_hidden_layers)
+    out = {}
+    for name in hf_names:
+        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise MespError(f"tensor {name} has no llama.cpp name for {cfg.family}")
+        out[name] = new
+    return out
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's two rotary halves interleaved."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def to_llama_cpp(gguf_name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """The converter's edits of one float32 tensor (see the module docstring)."""
+    if cfg.family == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        w = permute_rows(w, cfg.num_attention_heads)
+    if cfg.family == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        w = permute_rows(w, cfg.num_key_value_heads)
+    if cfg.family == "gemma3" and gguf_name.endswith("norm.weight"):
+        w = w + np.float32(1.0)
+    return w
+
+
+def storage_type(gguf_name: str, w: np.ndarray, want: QT) -> QT:
+    if w.ndim <= 1 or gguf_name.endswith("_norm.weight") or want == QT.F32:
+        return QT.F32
+    block = gguf.GGML_QUANT_SIZES[want][0]
+    return want if w.shape[-1] % block == 0 else QT.F16
+
+
+def llama3_rope_freqs(cfg: ModelConfig) -> np.ndarray | None:
+    """LlamaModel.generate_extra_tensors: Meta's llama3 frequency divisors, one per rotary pair."""
+    r = cfg.rope[FULL]
+    if r.kind != "llama3":
+        return None
+    dim = cfg.head_dim
+    freqs = 1.0 / r.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * math.pi / freqs
+    old = r.original_max_position_embeddings
+    smooth = (old / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    smooth = np.clip(smooth, 0.0, 1.0)  # 0 -> divide by factor, 1 -> keep the frequency
+    return (1.0 / ((1 - smooth) / r.factor + smooth)).astype(np.float32)
+
+
+def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope[FULL].theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.family == "llama":  # LlamaModel: vocab size, head_dim as the rope dimension count
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(cfg.head_dim)
+    else:  # TextModel writes head_dim as key/value length when the config has one
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    rope = cfg.rope[FULL]
+    if rope.kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope.factor)
+    elif rope.kind == "llama3" and cfg.family != "llama":
+        raise MespError(f"llama3 rope scaling has no GGUF form for {cfg.family}")
+    if cfg.family == "gemma3":
+        w.add_rope_freq_base_swa(cfg.rope[SLIDING].theta)
+        if cfg.sliding_window is not None:
+            w.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        n = cfg.num_hidden_layers
+        sliding = [t == SLIDING for t in cfg.layer_types]
+        if sliding != [(i + 1) % 6 != 0 for i in range(n)]:  # llama.cpp's built-in pattern
+            w.add_sliding_window_pattern(sliding)
+        # llama.cpp scales Gemma 3 attention by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for
+        # 27B); a model whose query_pre_attn_scalar says otherwise gets the scale as a key
+        qpas = cfg.query_pre_attn_scalar or cfg.head_dim
+        assumed = cfg.hidden_size // cfg.num_attention_heads if n == 62 else cfg.head_dim
+        if qpas != assumed:
+            w.add_attention_scale(1.0 / math.sqrt(qpas))
+
+
+def write_model_gguf(
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    vocab: list[KV],
+    out: Path,
+    gguf_type: str,
+    name: str,
+) -> None:
+    """Write HF-named dense `tensors` of a `cfg` model to `out` (atomically)."""
+    if gguf_type not in GGUF_TYPES:
+        raise MespError(f"--gguf-type {gguf_type!r}: choose from {', '.join(GGUF_TYPES)}")
+    want, ftype = GGUF_TYPES[gguf_type]
+    if cfg.tie_word_embeddings:  # llama.cpp reuses token_embd when output.weight is absent
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    names = gguf_names(cfg, tensors)
+    freqs = llama3_rope_freqs(cfg)
+
+    def write(path: str) -> None:
+        w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCHS[cfg.family]])
+        w.add_type(gguf.GGUFType.MODEL)
+        w.add_name(name)
+        add_hparams(w, cfg)
+        w.add_file_type(ftype)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for kv in vocab:
+            w.add_key_value(kv.key, kv.value, kv.vtype, kv.sub)
+        for hf_name, t in tensors.items():
+            gname = names[hf_name]
+            data = to_llama_cpp(gname, t.detach().float().cpu().numpy(), cfg)
+            qtype = storage_type(gname, data, want)
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        if freqs is not None:
+            w.add_tensor("rope_freqs.weight", freqs, raw_dtype=QT.F32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    atomic_write(out, write)
