@@ -1,5 +1,5 @@
-"""`mesp info | train | eval | generate | merge | grad | export | run-artifacts | plan | bench`:
-flags are dataclass fields."""
+"""`mesp info | train | eval | generate | merge | export-adapter | grad | export | run-artifacts |
+plan | bench`: flags are dataclass fields."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from mesp.training import Interrupted
 
 
 def _parser() -> argparse.ArgumentParser:
+    from mesp.convert.gguf_adapter import ExportAdapterOptions
     from mesp.convert.merge import MergeOptions
     from mesp.data import DataConfig
     from mesp.engines.options import EngineOptions
@@ -72,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.choices["merge"].set_defaults(quantize="none")  # the exact merged model by default
     command(
+        "export-adapter",
+        "write a PEFT adapter as a llama.cpp LoRA GGUF (llama-cli -m base.gguf --lora FILE)",
+        ModelOptions,
+        ExportAdapterOptions,
+    )
+    command(
         "grad",
         "LoRA gradients of one batch, under PEFT key names",
         ModelOptions,
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(ns.run(ns))
         from mesp.cli import commands
 
-        return getattr(commands, f"cmd_{ns.cmd}")(ns)
+        return getattr(commands, f"cmd_{ns.cmd.replace('-', '_')}")(ns)
     except MespError as e:
         print(f"mesp: error: {e}", file=sys.stderr)
         return 2

@@ -66,6 +66,13 @@ def cmd_merge(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_adapter(ns: argparse.Namespace) -> int:
+    from mesp.convert.gguf_adapter import ExportAdapterOptions, export_adapter
+
+    print(export_adapter(from_args(ModelOptions, ns), from_args(ExportAdapterOptions, ns)))
+    return 0
+
+
 def cmd_grad(ns: argparse.Namespace) -> int:
     from mesp.training.grad import GradOptions, grad
 
