@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     command("generate", "sample text (KV cache)", ModelOptions, GenerateOptions)
     command(
         "merge",
-        "fold an adapter into its base and write a model directory (HF, or MLX if quantized)",
+        "fold an adapter into its base and write a model directory (HF, or MLX if quantized) "
+        "or a llama.cpp GGUF file (--out FILE.gguf)",
         ModelOptions,
         MergeOptions,
     )
