@@ -5,7 +5,8 @@
     adapter + grads + optimizer state, and working memory.
 (b) Process peak RSS: `run_child` starts a fresh interpreter with glibc told to unmap freed
     blocks (`FAITHFUL_MALLOC_ENV`), resets the high-water mark through /proc/self/clear_refs
-    and reads VmHWM (`reset_peak_rss`, `peak_rss_bytes`).
+    and reads VmHWM (`reset_peak_rss`, `peak_rss_bytes`); `rss_parts` splits the current RSS
+    into anonymous and file-backed pages.
 (c) CUDA: `cuda_peak_bytes` / `reset_cuda_peak` (torch.cuda.max_memory_allocated).
 """
 
@@ -16,6 +17,7 @@ from mesp.memory.rss import (
     peak_rss_bytes,
     reset_cuda_peak,
     reset_peak_rss,
+    rss_parts,
     run_child,
 )
 from mesp.memory.tracker import LiveTensorTracker, adapter_tensors, measure_peak
@@ -30,5 +32,6 @@ __all__ = [
     "peak_rss_bytes",
     "reset_cuda_peak",
     "reset_peak_rss",
+    "rss_parts",
     "run_child",
 ]

@@ -37,6 +37,24 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
+def rss_parts() -> dict[str, int]:
+    """Current RSS split as the kernel counts it (RssAnon, RssFile, RssShmem of
+    /proc/self/status), in bytes: "anon" is heap and tensors; "file" is pages of mapped files,
+    the interpreter's shared libraries and any weight file still memory-mapped. {} where /proc
+    is unavailable (not Linux)."""
+    try:
+        text = _STATUS.read_text()
+    except OSError:
+        return {}
+    fields = {"RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in fields:
+            out[fields[key]] = int(value.split()[0]) * 1024
+    return out
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size (VmHWM) since start or the last successful reset_peak_rss()."""
     hwm = _status_bytes("VmHWM")
@@ -141,5 +159,6 @@ __all__ = [
     "report",
     "reset_cuda_peak",
     "reset_peak_rss",
+    "rss_parts",
     "run_child",
 ]
