@@ -49,7 +49,8 @@ def load_model(
         from mesp.loading.safetensors_dir import read_safetensors_dir
 
         cfg, src, _ = read_safetensors_dir(p)
-        model = build_model(cfg, src, dtype, quant)
+        with src:  # the shards' files are closed once the model is built (or fails to be)
+            model = build_model(cfg, src, dtype, quant)
         tok = Tokenizer.from_dir(p) if (p / "tokenizer.json").exists() else None
         return Loaded(model, tok, str(p), "mlx" if src.quant else "hf")
     raise MespError(

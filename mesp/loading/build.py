@@ -21,15 +21,32 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class TensorSource:
-    """Named tensors read on demand. `get(name)` returns a tensor; `packed(name)` returns the MLX
-    (weight, scales, biases) triple when the checkpoint stores that weight quantized."""
+    """Named tensors read on demand. `get(name)` returns a tensor of its own (never a view of a
+    mapped file, which the model would keep mapped); `close` releases the file behind them,
+    as leaving a `with` block does. MLX checkpoints set `quant`."""
 
-    def __init__(self, names: Iterable[str], get: Callable[[str], torch.Tensor], source: str):
-        self.names, self._get, self.source = set(names), get, source
+    def __init__(
+        self,
+        names: Iterable[str],
+        get: Callable[[str], torch.Tensor],
+        source: str,
+        close: Callable[[], None] | None = None,
+    ) -> None:
+        self.names, self._get, self.source, self._close = set(names), get, source, close
         self.quant: QuantSpec | None = None  # set by MLX checkpoints
 
     def get(self, name: str) -> torch.Tensor:
         return self._get(name)
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+
+    def __enter__(self) -> TensorSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def expected_tensors(model: CausalLM) -> dict[str, tuple[int, ...]]:
