@@ -23,6 +23,7 @@ from mesp.training.config import TrainConfig, TrainResult
 from mesp.training.distributed import DataParallel
 from mesp.training.evaluate import evaluate
 from mesp.training.schedule import lr_factor, make_optimizer
+from mesp.training.tensorboard import TensorBoardLog
 
 
 class Interrupted(Exception):
@@ -47,6 +48,7 @@ def train(
     resume: TrainState | None = None,
     dp: DataParallel | None = None,
     max_memory: int | None = None,
+    tensorboard: TensorBoardLog | None = None,
 ) -> TrainResult:
     """Train the model's adapters with `engine`; with `dp`, this process is one data-parallel
     rank: it computes its slice of each global batch, every rank scores its share of the
@@ -55,7 +57,9 @@ def train(
     `max_memory`: stop (saving first) when the frozen weights plus what training adds to the
     process's peak RSS (or the CUDA peak) cross it. Measured from the RSS just before the first
     step less the weights' bytes, with the high-water mark reset there: the interpreter, torch,
-    one-time imports and a loading spike are not the run's memory; the weights are."""
+    one-time imports and a loading spike are not the run's memory; the weights are.
+
+    `tensorboard`: rank 0's writer, given every row log.jsonl gets; the caller closes it."""
     from mesp.memory.rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     params = model.lora_parameters()
@@ -87,6 +91,8 @@ def train(
         if log_f is not None:
             log_f.write(json.dumps(row) + "\n")
             log_f.flush()
+        if tensorboard is not None:
+            tensorboard.add(row)
 
     def validate(step: int) -> None:
         if not valid_examples:  # --valid-fraction 0 and no valid.jsonl

@@ -23,6 +23,7 @@ from mesp.training.config import TrainConfig
 from mesp.training.distributed import from_env, launch_torchrun, shutdown
 from mesp.training.evaluate import evaluate
 from mesp.training.loop import train
+from mesp.training.tensorboard import TensorBoardLog, require_tensorboard
 
 
 @dataclass
@@ -45,6 +46,14 @@ class RunOptions:
         metadata={
             "help": "memory budget, e.g. 500MB: refuse a setup the planner says won't fit, "
             "stop and save if the measured peak crosses it"
+        },
+    )
+    tensorboard: str | None = field(
+        default=None,
+        metadata={
+            "help": "also write log.jsonl's numbers as TensorBoard scalars in DIR "
+            "(needs the tensorboard package)",
+            "metavar": "DIR",
         },
     )
     nproc: int = field(
@@ -103,6 +112,8 @@ def run(job: TrainJob) -> int:
         return launch_torchrun(job.argv, job.run.nproc, job.run.master_port, job.out)
     if job.run.resume:
         _warn_if_schedule_changes(job)
+    if job.run.tensorboard:
+        require_tensorboard(Path(job.run.tensorboard))
     if job.model.device.startswith("cuda") and "LOCAL_RANK" in os.environ:
         job.model.device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per data-parallel rank
     job.data.validate()
@@ -117,6 +128,7 @@ def run(job: TrainJob) -> int:
     dp = from_env(job.run.dist_timeout, job.model.device)
     main = dp is None or dp.is_main
     say = print if main else (lambda *a, **k: None)
+    tb: TensorBoardLog | None = None
     try:
         loaded = open_model(job.model, seed=job.train.seed)
         model, tok = loaded.model, loaded.require_tokenizer()
@@ -149,6 +161,8 @@ def run(job: TrainJob) -> int:
                 before = json.loads(base_f.read_text())
             elif before:
                 atomic_write(base_f, lambda p: Path(p).write_text(json.dumps(before)))
+        if job.run.tensorboard and main:  # the other ranks' numbers are rank 0's
+            tb = TensorBoardLog(Path(job.run.tensorboard), (resume.step if resume else 0) + 1)
         res = train(
             model,
             engine,
@@ -163,8 +177,11 @@ def run(job: TrainJob) -> int:
             resume=resume,
             dp=dp,
             max_memory=budget,
+            tensorboard=tb,
         )
     finally:
+        if tb is not None:
+            tb.close()
         shutdown()
     if not main:
         return 0
