@@ -5,7 +5,8 @@ Row formats (one JSON object per line, as mlx-lm's `lora` reads them):
   {"prompt": ..., "completion": ...} prompt + completion + EOS; --mask-prompt trains only the
                                     completion and EOS
   {"messages": [{role, content}]}   rendered with the chat template; --mask-prompt trains only
-                                    the final assistant message
+                                    the final assistant message, --train-on all-assistant every
+                                    assistant message (each with its end-of-turn marker)
   {"input_ids": [...], "loss_mask": [...]}  pre-tokenized; loss_mask (0/1, optional) aligned
                                     with input_ids, 1 = token is a trained target
 Errors are one-line `MespError`s that name FILE:LINE, so a bad row in a big file is findable.

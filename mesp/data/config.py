@@ -8,6 +8,9 @@ from pathlib import Path
 from mesp.errors import MespError
 
 OVERLONG = ("truncate", "drop", "error")
+# Which tokens are targets: every one; the completion / final assistant message (--mask-prompt);
+# every assistant message of {"messages"} rows.
+TRAIN_ON = ("all", "last-assistant", "all-assistant")
 
 
 @dataclass
@@ -40,6 +43,16 @@ class DataConfig:
     mask_prompt: bool = field(
         default=False, metadata={"help": "train only on the completion / final assistant message"}
     )
+    train_on: str = field(
+        default="all",
+        metadata={
+            "help": (
+                "target tokens: all | last-assistant (as --mask-prompt) | all-assistant (every "
+                "assistant message of a {messages} row, each with its end-of-turn marker)"
+            ),
+            "choices": TRAIN_ON,
+        },
+    )
     valid_fraction: float = field(
         default=0.05,
         metadata={
@@ -65,6 +78,13 @@ class DataConfig:
             raise MespError(f"--seq-len must be at least 1, got {self.seq_len}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise MespError(f"valid fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.train_on not in TRAIN_ON:
+            raise MespError(f"--train-on must be one of {', '.join(TRAIN_ON)}")
+        if self.mask_prompt and self.train_on == "all-assistant":
+            raise MespError(
+                "--mask-prompt trains the last assistant message only; drop it to train every "
+                "assistant message with --train-on all-assistant"
+            )
         if self.overlong not in OVERLONG:
             raise MespError(f"overlong policy must be one of {', '.join(OVERLONG)}")
         if self.max_examples is not None and self.max_examples < 1:

@@ -74,14 +74,16 @@ def load_jsonl(
     mask_prompt: bool = False,
     overlong: str = "truncate",
     warn: Warn | None = None,
+    train_on: str = "all",
 ) -> list[Example]:
-    """Read one jsonl file, applying the seq_len+1 token cap with the `overlong` policy."""
+    """Read one jsonl file, applying the seq_len+1 token cap with the `overlong` policy;
+    `train_on` picks the targets as `DataConfig.train_on` says."""
     path, warn = Path(path), warn or _log.warning
     out: list[Example] = []
     rows = truncated = dropped = untrained = 0
     first_long = ""  # FILE:LINE of the first over-long row, for the warning
     for where, obj in _jsonl_rows(path):
-        ex = parse_row(obj, tokenizer, mask_prompt, where)
+        ex = parse_row(obj, tokenizer, mask_prompt, where, train_on)
         rows += 1
         if len(ex.ids) > seq_len + 1:
             first_long = first_long or where
@@ -220,7 +222,7 @@ def _load_path(
     cap = sys.maxsize if cfg.pack else cfg.seq_len  # packing splits long examples across rows
 
     def jsonl(f: Path) -> list[Example]:
-        return load_jsonl(f, tok, cap, cfg.mask_prompt, cfg.overlong, warn)
+        return load_jsonl(f, tok, cap, cfg.mask_prompt, cfg.overlong, warn, cfg.train_on)
 
     def finish(splits: dict[str, list[Example]]) -> dict[str, list[Example]]:
         bos = row_bos(tok)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Callable
 from typing import Any
 
 from mesp.batch import Example
+from mesp.data.config import TRAIN_ON
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer
 
@@ -51,7 +54,7 @@ def all_trained(ids: list[int]) -> Example:
     return Example(ids, [0] + [1] * (len(ids) - 1) if ids else [])
 
 
-def _chat(row: dict[str, Any], tok: Tokenizer, mask_prompt: bool, where: str) -> Example:
+def _chat(row: dict[str, Any], tok: Tokenizer, train_on: str, where: str) -> Example:
     msgs = row["messages"]
     if not isinstance(msgs, list) or not msgs:
         raise MespError(f'{where}: "messages" must be a non-empty array of {{role, content}}')
@@ -61,25 +64,92 @@ def _chat(row: dict[str, Any], tok: Tokenizer, mask_prompt: bool, where: str) ->
         _string(m, "role", f"{where}: messages[{j}]")
         _string(m, "content", f"{where}: messages[{j}]")
 
-    def render(ms: list[dict[str, Any]], gen: bool) -> list[int]:
+    def text(ms: list[dict[str, Any]], gen: bool) -> str:
         try:
-            text = tok.apply_chat_template(ms, add_generation_prompt=gen)
+            return tok.apply_chat_template(ms, add_generation_prompt=gen)
         except Exception as e:  # noqa: BLE001 -- template code comes with the model
             raise MespError(f"{where}: chat template failed on this row: {one_line(e)}") from None
-        return tok.encode(text)
 
-    ids = render(msgs, False)
-    if not tok.chat_template and tok.eos_id is not None:
-        ids.append(tok.eos_id)  # the plain fallback has no end-of-turn marker to learn
-    if not mask_prompt:
+    # the plain fallback has no end-of-turn marker to learn: EOS stands in for it
+    eos = [tok.eos_id] if not tok.chat_template and tok.eos_id is not None else []
+    if train_on == "all-assistant":
+        return _every_assistant(msgs, text, tok, eos, where)
+    ids = tok.encode(text(msgs, False)) + eos
+    if train_on == "all":
         return all_trained(ids)
     if msgs[-1]["role"] != "assistant":
         raise MespError(f"{where}: with --mask-prompt the last message must be the assistant's")
-    prompt = render(msgs[:-1], True)
+    prompt = tok.encode(text(msgs[:-1], True))
     k = 0  # prompt length = common prefix, robust to BPE merging across the boundary
     while k < min(len(prompt), len(ids)) and prompt[k] == ids[k]:
         k += 1
     return Example(ids, [0] * k + [1] * (len(ids) - k))
+
+
+Render = Callable[[list[dict[str, Any]], bool], str]
+_PLACEHOLDER = "mesp0reply0placeholder"  # plain letters: no template trims or splits them
+
+
+def _after_reply(msgs: list[dict[str, Any]], i: int, text: Render) -> str:
+    """What the template writes after assistant message i's text (e.g. "<|im_end|>\n")."""
+    r = text([*msgs[:i], {**msgs[i], "content": _PLACEHOLDER}], False)
+    k = r.rfind(_PLACEHOLDER)
+    return r[k + len(_PLACEHOLDER) :] if k >= 0 else ""
+
+
+def _every_assistant(
+    msgs: list[dict[str, Any]], text: Render, tok: Tokenizer, eos: list[int], where: str
+) -> Example:
+    """Every assistant reply trained: its character span in the rendered conversation, mapped
+    to tokens through the offsets of one encoding of the whole text (pieces tokenized apart
+    can merge differently from the whole). A token holding any reply character is trained,
+    so a token merged across a reply's edge is trained, as --mask-prompt's rule trains it."""
+    full = text(msgs, False)
+    spans = _assistant_spans(msgs, full, text, where)
+    ids, offsets = tok.encode_offsets(full)
+    ends = [b for _, b in spans]
+    mask: list[int] = []
+    for s, e in offsets:
+        j = bisect_right(ends, s)  # the first span that ends after this token starts
+        # a zero-width token (offsets trimmed to nothing) counts as the character it sits at
+        mask.append(int(j < len(spans) and spans[j][0] < max(e, s + 1)))
+    if eos:  # EOS ends the last reply when the conversation ends with one
+        ids, mask = ids + eos, mask + [int(msgs[-1]["role"] == "assistant")]
+    return Example(ids, [0] + mask[1:])
+
+
+def _assistant_spans(
+    msgs: list[dict[str, Any]], full: str, text: Render, where: str
+) -> list[tuple[int, int]]:
+    """(start, end) in `full` of each assistant reply: from the end of the generation prompt
+    before it to the end of what the template writes for that message, so the end-of-turn
+    marker (<|im_end|>, <end_of_turn>) and the newline after it are inside: the model learns
+    to stop, and the final reply gets exactly the targets --mask-prompt gives it."""
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        pre, upto = text(msgs[:i], True), text(msgs[: i + 1], False)
+        if not full.startswith(pre):
+            raise MespError(
+                f"{where}: the chat template renders the turns before messages[{i}] differently "
+                "inside the whole conversation, so that reply cannot be located"
+            )
+        if full.startswith(upto) and len(upto) >= len(pre):
+            spans.append((len(pre), len(upto)))
+            continue
+        # Qwen3-style templates give the final turn a <think> block that an earlier turn
+        # loses once a user turn follows: that reply then ends at the first end-of-turn marker
+        # after its start, the marker being what the template writes after a reply's text.
+        marker = _after_reply(msgs, i, text)
+        end = full.find(marker, len(pre)) if marker else -1
+        if end < 0:
+            raise MespError(
+                f"{where}: messages[{i}]: the chat template renders this reply differently "
+                "inside the whole conversation and ends it with no marker, so it cannot be located"
+            )
+        spans.append((len(pre), end + len(marker)))
+    return spans
 
 
 def _pretokenized(row: dict[str, Any], tok: Tokenizer, where: str) -> Example:
@@ -105,24 +175,37 @@ def _pretokenized(row: dict[str, Any], tok: Tokenizer, where: str) -> Example:
     return Example(ids, [0] + [int(x) for x in lm[1:]])
 
 
-def parse_row(row: Any, tok: Tokenizer, mask_prompt: bool = False, where: str = "row") -> Example:
-    """One decoded jsonl row -> Example; format chosen by keys, in mlx-lm's precedence."""
+def parse_row(
+    row: Any,
+    tok: Tokenizer,
+    mask_prompt: bool = False,
+    where: str = "row",
+    train_on: str = "all",
+) -> Example:
+    """One decoded jsonl row -> Example; format chosen by keys, in mlx-lm's precedence.
+    `train_on` picks the targets (see `DataConfig.train_on`); `mask_prompt` means
+    "last-assistant"."""
     if not isinstance(row, dict):
         raise MespError(f"{where}: row is a JSON {_json_type(row)}, not an object; {FORMATS}")
+    if train_on not in TRAIN_ON:
+        raise MespError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    train_on = "last-assistant" if mask_prompt else train_on
     eos = [tok.eos_id] if tok.eos_id is not None else []
     if "messages" in row:
-        return _chat(row, tok, mask_prompt, where)
+        return _chat(row, tok, train_on, where)
     if "prompt" in row and "completion" in row:
+        completion_only = train_on != "all"  # one assistant turn: the last is the only one
         prompt, completion = _string(row, "prompt", where), _string(row, "completion", where)
         if tok.chat_template:  # as mlx-lm: a user turn and an assistant turn, templated
             msgs = [
                 {"role": "user", "content": prompt},
                 {"role": "assistant", "content": completion},
             ]
-            return _chat({"messages": msgs}, tok, mask_prompt, where)
+            mode = "last-assistant" if completion_only else "all"
+            return _chat({"messages": msgs}, tok, mode, where)
         p = tok.encode(prompt)
         c = tok.encode(completion, add_bos=False) + eos
-        if mask_prompt:
+        if completion_only:
             return Example(p + c, [0] * len(p) + [1] * len(c))
         return all_trained(p + c)
     if "text" in row:

@@ -41,6 +41,15 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` with each token's (start, end) character offsets in `text`, from one
+        pass of the tokenizer; a BOS put in front has the empty span (0, 0)."""
+        enc = self.backend.encode(text, add_special_tokens=False)
+        ids, offsets = list(enc.ids), list(enc.offsets)
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids, offsets = [self.bos_id, *ids], [(0, 0), *offsets]
+        return ids, offsets
+
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 
