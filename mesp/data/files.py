@@ -15,7 +15,7 @@ from typing import Any
 from mesp.batch import Example
 from mesp.data.batches import chunk_examples
 from mesp.data.config import DataConfig
-from mesp.data.rows import all_trained, one_line, parse_row, row_bos
+from mesp.data.rows import NO_TOKENIZER, all_trained, one_line, parse_row, row_bos
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer
 
@@ -69,21 +69,23 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 def load_jsonl(
     path: Path | str,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     seq_len: int,
     mask_prompt: bool = False,
     overlong: str = "truncate",
     warn: Warn | None = None,
     train_on: str = "all",
+    vocab_size: int | None = None,
 ) -> list[Example]:
     """Read one jsonl file, applying the seq_len+1 token cap with the `overlong` policy;
-    `train_on` picks the targets as `DataConfig.train_on` says."""
+    `train_on` picks the targets as `DataConfig.train_on` says. Without a tokenizer only
+    pre-tokenized rows are read, their ids checked against `vocab_size` (the model's)."""
     path, warn = Path(path), warn or _log.warning
     out: list[Example] = []
     rows = truncated = dropped = untrained = 0
     first_long = ""  # FILE:LINE of the first over-long row, for the warning
     for where, obj in _jsonl_rows(path):
-        ex = parse_row(obj, tokenizer, mask_prompt, where, train_on)
+        ex = parse_row(obj, tokenizer, mask_prompt, where, train_on, vocab_size)
         rows += 1
         if len(ex.ids) > seq_len + 1:
             first_long = first_long or where
@@ -202,27 +204,39 @@ def default_dataset(
     return {"train": rows(train_plays), "valid": rows(valid_plays)}
 
 
+def _need(tok: Tokenizer | None, what: str) -> Tokenizer:
+    if tok is None:
+        raise MespError(f"{what} {NO_TOKENIZER}")
+    return tok
+
+
 def load_splits(
-    cfg: DataConfig, tokenizer: Tokenizer, warn: Warn | None = None
+    cfg: DataConfig,
+    tokenizer: Tokenizer | None,
+    warn: Warn | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, list[Example]]:
-    """The "train" and "valid" splits (and "test" when a test.jsonl exists) for `cfg`."""
+    """The "train" and "valid" splits (and "test" when a test.jsonl exists) for `cfg`.
+    `vocab_size` (the model's) bounds pre-tokenized ids; the tokenizer's when not given.
+    Pre-tokenized jsonl rows need no tokenizer (None); text does."""
     cfg.validate()
     if cfg.path is None:
-        splits = default_dataset(tokenizer, cfg.seq_len)
+        tok = _need(tokenizer, "the built-in Shakespeare set (no --data)")
+        splits = default_dataset(tok, cfg.seq_len)
     else:
-        splits = _load_path(Path(cfg.path).expanduser(), cfg, tokenizer, warn)
+        splits = _load_path(Path(cfg.path).expanduser(), cfg, tokenizer, warn, vocab_size)
     if cfg.max_examples is not None:
         splits = {k: v[: cfg.max_examples] for k, v in splits.items()}
     return splits
 
 
 def _load_path(
-    p: Path, cfg: DataConfig, tok: Tokenizer, warn: Warn | None
+    p: Path, cfg: DataConfig, tok: Tokenizer | None, warn: Warn | None, vocab: int | None
 ) -> dict[str, list[Example]]:
     cap = sys.maxsize if cfg.pack else cfg.seq_len  # packing splits long examples across rows
 
     def jsonl(f: Path) -> list[Example]:
-        return load_jsonl(f, tok, cap, cfg.mask_prompt, cfg.overlong, warn, cfg.train_on)
+        return load_jsonl(f, tok, cap, cfg.mask_prompt, cfg.overlong, warn, cfg.train_on, vocab)
 
     def finish(splits: dict[str, list[Example]]) -> dict[str, list[Example]]:
         bos = row_bos(tok)
@@ -252,6 +266,7 @@ def _load_path(
         raise MespError(
             f"{p}: expected a .jsonl or .txt file, or a directory with train.jsonl or .txt files"
         )
-    chunks = chunk_examples(load_text_files(txts, tok), cfg.seq_len, row_bos(tok))
+    text_tok = _need(tok, f"{txts[0]}")
+    chunks = chunk_examples(load_text_files(txts, text_tok), cfg.seq_len, row_bos(text_tok))
     train, valid = split_off_valid(chunks, cfg.valid_fraction, str(p))
     return {"train": train, "valid": valid}

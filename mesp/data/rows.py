@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mesp.batch import Example
+from mesp.config import ModelConfig
 from mesp.data.config import TRAIN_ON
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer
@@ -17,15 +18,24 @@ FORMATS = (
 )
 
 
-def row_bos(tok: Tokenizer) -> int | None:
-    """The BOS id packed rows must start with, for models whose tokenizer adds BOS."""
-    return tok.bos_id if tok.add_bos else None
+def row_bos(tok: Tokenizer | None) -> int | None:
+    """The BOS id packed rows must start with, for models whose tokenizer adds BOS (without a
+    tokenizer, pre-tokenized rows carry their own)."""
+    return tok.bos_id if tok is not None and tok.add_bos else None
 
 
-def pad_id_of(tokenizer: Tokenizer) -> int:
-    """The id used for padding: pad, else EOS, else 0 (padding is masked out anyway)."""
-    for i in (tokenizer.pad_id, tokenizer.eos_id):
-        if i is not None:
+def pad_id_of(tokenizer: Tokenizer | None, config: ModelConfig | None = None) -> int:
+    """The id used for padding: pad, else EOS, else 0 (padding is masked out anyway). Without
+    a tokenizer, the model config's pad / EOS id."""
+    if tokenizer is not None:
+        ids = [tokenizer.pad_id, tokenizer.eos_id]
+    elif config is not None:
+        eos = config.eos_token_id
+        ids = [config.pad_token_id, (eos[0] if eos else None) if isinstance(eos, list) else eos]
+    else:
+        ids = []
+    for i in ids:
+        if i is not None and (config is None or 0 <= i < config.vocab_size):
             return i
     return 0
 
@@ -152,13 +162,12 @@ def _assistant_spans(
     return spans
 
 
-def _pretokenized(row: dict[str, Any], tok: Tokenizer, where: str) -> Example:
+def _pretokenized(row: dict[str, Any], vocab: int, where: str) -> Example:
     ids = row["input_ids"]
     if not isinstance(ids, list) or not all(type(x) is int for x in ids):
         raise MespError(f'{where}: "input_ids" must be an array of integers')
     if not ids:
         raise MespError(f'{where}: "input_ids" is empty')
-    vocab = tok.vocab_size
     bad = next((x for x in ids if not 0 <= x < vocab), None)
     if bad is not None:
         shown = str(bad) if bad.bit_length() < 64 else "beyond 64 bits"
@@ -175,20 +184,36 @@ def _pretokenized(row: dict[str, Any], tok: Tokenizer, where: str) -> Example:
     return Example(ids, [0] + [int(x) for x in lm[1:]])
 
 
+NO_TOKENIZER = (
+    "is text, which needs a tokenizer, and the model has none (tokenizer.json or GGUF "
+    'metadata); without one only pre-tokenized {"input_ids"} rows can be used'
+)
+
+
 def parse_row(
     row: Any,
-    tok: Tokenizer,
+    tok: Tokenizer | None,
     mask_prompt: bool = False,
     where: str = "row",
     train_on: str = "all",
+    vocab_size: int | None = None,
 ) -> Example:
     """One decoded jsonl row -> Example; format chosen by keys, in mlx-lm's precedence.
     `train_on` picks the targets (see `DataConfig.train_on`); `mask_prompt` means
-    "last-assistant"."""
+    "last-assistant". Pre-tokenized ids must lie below `vocab_size` (the model's; default: the
+    tokenizer's); they need no tokenizer, every other format does."""
     if not isinstance(row, dict):
         raise MespError(f"{where}: row is a JSON {_json_type(row)}, not an object; {FORMATS}")
     if train_on not in TRAIN_ON:
         raise MespError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    if tok is None:
+        if "messages" in row or "text" in row or ("prompt" in row and "completion" in row):
+            raise MespError(f"{where}: this row {NO_TOKENIZER}")
+        if "input_ids" in row:
+            if vocab_size is None:
+                raise ValueError("parse_row needs a tokenizer or the model's vocab_size")
+            return _pretokenized(row, vocab_size, where)
+        return _unknown(row, where)
     train_on = "last-assistant" if mask_prompt else train_on
     eos = [tok.eos_id] if tok.eos_id is not None else []
     if "messages" in row:
@@ -211,7 +236,11 @@ def parse_row(
     if "text" in row:
         return all_trained(tok.encode(_string(row, "text", where)) + eos)
     if "input_ids" in row:
-        return _pretokenized(row, tok, where)
+        return _pretokenized(row, tok.vocab_size if vocab_size is None else vocab_size, where)
+    return _unknown(row, where)
+
+
+def _unknown(row: dict[str, Any], where: str) -> Example:
     if "prompt" in row or "completion" in row:
         raise MespError(f'{where}: a row needs both "prompt" and "completion"; {FORMATS}')
     keys = ", ".join(repr(k[:40]) for k in list(row)[:6]) or "none"

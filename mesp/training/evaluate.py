@@ -74,11 +74,11 @@ def score(opts: ModelOptions, ev: EvalOptions, data: DataConfig) -> dict[str, fl
     directory or the built-in set (its validation split), with the seconds it took."""
     data, whole = data.for_scoring()
     loaded = open_with_adapter(opts, ev.adapter)
-    tok = loaded.require_tokenizer()
-    data.check_positions(loaded.model.config.max_position_embeddings)
-    splits = load_splits(data, tok)
+    tok, cfg = loaded.tokenizer, loaded.model.config  # pre-tokenized rows need no tokenizer
+    data.check_positions(cfg.max_position_embeddings)
+    splits = load_splits(data, tok, vocab_size=cfg.vocab_size)
     rows = splits["train"] if whole else splits["valid"]
     t0 = time.perf_counter()
-    res = evaluate(loaded.model, rows, ev.batch_size, pad_id_of(tok), ev.max_batches)
+    res = evaluate(loaded.model, rows, ev.batch_size, pad_id_of(tok, cfg), ev.max_batches)
     res["seconds"] = time.perf_counter() - t0
     return res

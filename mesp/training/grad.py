@@ -60,7 +60,7 @@ def grad(
     check_output_dir(out.parent)  # fail before the work, not after
     engine = make_engine(eng.engine, **engine_kwargs(eng, opts.quantize, g.seed))
     loaded = open_with_adapter(opts, g.adapter)
-    model, tok = loaded.model, loaded.require_tokenizer()
+    model, tok = loaded.model, loaded.tokenizer  # pre-tokenized rows need none
     data.check_positions(model.config.max_position_embeddings)
     engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
     if not g.adapter:
@@ -76,8 +76,8 @@ def grad(
                 "(give --adapter or --init-b 0.01 to compare engines on both)",
                 file=sys.stderr,
             )
-    rows = load_splits(data, tok)["train"][: g.batch_size]
-    batch = collate(rows, pad_id_of(tok)).to(model.device)
+    rows = load_splits(data, tok, vocab_size=model.config.vocab_size)["train"][: g.batch_size]
+    batch = collate(rows, pad_id_of(tok, model.config)).to(model.device)
     loss = engine.step(model, batch, batch.n_tokens)
     params = [p for mod in model.lora_modules().values() for p in (mod.lora_A, mod.lora_B)]
     # A then B for each adapted module: adapter_state's key order

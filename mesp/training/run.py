@@ -131,14 +131,14 @@ def run(job: TrainJob) -> int:
     tb: TensorBoardLog | None = None
     try:
         loaded = open_model(job.model, seed=job.train.seed)
-        model, tok = loaded.model, loaded.require_tokenizer()
+        model, tok = loaded.model, loaded.tokenizer  # pre-tokenized rows need none
         job.data.check_positions(model.config.max_position_embeddings)
         engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
         fp = fingerprint(loaded, job.model, job.engine.engine, kw, job.data, job.lora, job.train)
         if resume is not None:
             check_fingerprint(resume, fp, out)
-        splits = load_splits(job.data, tok)
-        pad = pad_id_of(tok)
+        splits = load_splits(job.data, tok, vocab_size=model.config.vocab_size)
+        pad = pad_id_of(tok, model.config)
         n_params = apply_lora(model, job.lora, seed=job.train.seed)
         if job.engine.zo_full:
             _full_model_dir(model, tok, out, resume is not None, main)
