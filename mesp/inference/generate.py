@@ -1,4 +1,4 @@
-"""Sampling with a KV cache: greedy, temperature, top-p."""
+"""Sampling with a KV cache: greedy, temperature, top-p, repetition penalty."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ class GenerateOptions:
     top_p: float = field(
         default=1.0, metadata={"help": "nucleus sampling: smallest token set with this mass"}
     )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "divide the scores of tokens already in the prompt or output by this "
+            "(CTRL's rule: >1 makes repeats less likely; 1 = off)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "sampling seed"})
 
 
@@ -35,6 +42,8 @@ def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
         raise MespError(f"--top-p must be in (0, 1], got {g.top_p}")
     if not g.temperature >= 0.0:
         raise MespError(f"--temperature must be >= 0 (0 = greedy), got {g.temperature}")
+    if not g.repetition_penalty > 0.0:
+        raise MespError(f"--repetition-penalty must be > 0 (1 = off), got {g.repetition_penalty}")
     if g.max_tokens < 1:
         raise MespError(f"--max-tokens must be at least 1, got {g.max_tokens}")
     loaded = open_with_adapter(opts, g.adapter)
@@ -55,7 +64,9 @@ def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
             file=sys.stderr,
         )
     n = min(g.max_tokens, room)
-    out = generate(loaded.model, ids, n, g.temperature, g.top_p, tok.stop_ids, g.seed)
+    out = generate(
+        loaded.model, ids, n, g.temperature, g.top_p, tok.stop_ids, g.seed, g.repetition_penalty
+    )
     return tok.decode(out)
 
 
@@ -68,8 +79,10 @@ def generate(
     top_p: float = 1.0,
     stop_ids: set[int] | None = None,
     seed: int = 0,
+    repetition_penalty: float = 1.0,
 ) -> list[int]:
-    """New token ids after the prompt. temperature 0 = greedy."""
+    """New token ids after the prompt. temperature 0 = greedy; the repetition penalty applies
+    before either (as in HF's generate)."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(k=[None] * len(model.layers), v=[None] * len(model.layers))
@@ -78,13 +91,29 @@ def generate(
     logits = model(ids, cache=cache, start=0)[0, -1]
     out: list[int] = []
     pos = len(prompt_ids)
+    seen = set(prompt_ids)
     for _ in range(max_tokens):
-        nxt = _sample(logits.float().cpu(), temperature, top_p, g)
+        scores = penalize(logits.float().cpu(), seen, repetition_penalty)
+        nxt = _sample(scores, temperature, top_p, g)
+        seen.add(nxt)
         if stop_ids and nxt in stop_ids:
             break
         out.append(nxt)
         logits = model(torch.tensor([[nxt]], device=dev), cache=cache, start=pos)[0, -1]
         pos += 1
+    return out
+
+
+def penalize(logits: torch.Tensor, seen: set[int], penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019; HF's RepetitionPenaltyLogitsProcessor):
+    the logit of each token already seen is divided by `penalty` when positive and multiplied
+    when negative, so a penalty above 1 lowers a repeat's odds whatever its sign."""
+    if penalty == 1.0 or not seen:
+        return logits
+    idx = torch.tensor(sorted(seen), dtype=torch.long)
+    picked = logits[idx]
+    out = logits.clone()
+    out[idx] = torch.where(picked > 0, picked / penalty, picked * penalty)
     return out
 
 
