@@ -19,13 +19,14 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, trainers
 
+from mesp.cli import main
 from mesp.data import DataConfig, load_jsonl, load_splits
 from mesp.errors import MespError
 from mesp.loading.gguf import GGUFFile
 from mesp.loading.tokenizer import Tokenizer
 from tests.chat_templates import FAMILIES, SMOLLM2, SPECIALS
 from tests.test_real_gguf import _gemma3, _smollm2
-from tests.tiny_dir import TEXT, make_tokenizer
+from tests.tiny_dir import TEXT, make_model_dir, make_tokenizer, train_argv
 
 CHATS: list[list[dict[str, str]]] = [
     [
@@ -196,6 +197,22 @@ def test_train_on_flag_and_its_conflict(tmp_path: Path) -> None:
         DataConfig(path=str(f), train_on="all-assistant", mask_prompt=True).validate()
     with pytest.raises(MespError, match="--train-on must be one of"):
         DataConfig(train_on="assistant").validate()
+
+
+def test_train_cli_takes_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model = make_model_dir(tmp_path / "m", "llama")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHATS[i % 2]}) + "\n" for i in range(8)))
+    out = tmp_path / "ad"
+    flags = dict(quantize="none", seq_len=96, steps=1, eval_every=0)
+    assert main(train_argv(model, data, out, "--train-on", "all-assistant", **flags)) == 0
+    assert json.loads((out / "run_args.json").read_text())["train_on"] == "all-assistant"
+    capsys.readouterr()
+    argv = train_argv(model, data, tmp_path / "ad2", "--mask-prompt", "--train-on",
+                      "all-assistant", **flags)  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--mask-prompt trains the last assistant message" in err
 
 
 def test_a_reply_the_template_cannot_place_is_one_error(tmp_path: Path) -> None:
