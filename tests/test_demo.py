@@ -1,7 +1,8 @@
 """The README's main command, end to end on the real model (slow: CI's second step).
 
 `scripts/demo` with a short run: it must end with the perplexity before/after, the peak
-memory, the adapter path and a sample with and without the adapter, as the README says."""
+memory, the adapter path, the loss-curve path and a sampled generation with and without the
+adapter, as the README says."""
 
 from __future__ import annotations
 
@@ -45,3 +46,11 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
     assert f"adapter in {tmp_path / 'demo'}" in out, out
     assert "== sample without the adapter" in out and "== sample with the adapter" in out
     assert (tmp_path / "demo" / "adapter_model.safetensors").exists()
+    # it closes with the perplexity before -> after and where the loss curve is
+    assert "validation perplexity: " in out and " before -> " in out, out
+    assert f"loss curve: {tmp_path / 'demo' / 'loss.png'}" in out
+    assert (tmp_path / "demo" / "loss.png").exists()
+    # the samples are sampled with a repetition penalty: no line loops (greedy's failure)
+    sample = out.split("== sample with the adapter")[1].split("validation perplexity")[0]
+    lines = [x.strip() for x in sample.splitlines()[1:] if x.strip()]
+    assert not any(lines[i] == lines[i + 1] == lines[i + 2] for i in range(len(lines) - 2)), out
