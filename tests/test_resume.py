@@ -208,3 +208,24 @@ def test_state_without_python_numpy_rng_still_resumes(tmp_path: Path) -> None:
     st.rng = {}
     restore(model, opt, st)
     assert st.step == 1
+
+
+def test_runs_saved_before_train_on_existed_still_resume() -> None:
+    """The default --train-on is left out of the fingerprint (older runs never recorded it);
+    any other value is recorded, so changing it on resume is refused."""
+    from types import SimpleNamespace
+
+    from mesp.data import DataConfig
+    from mesp.loading.session import ModelOptions
+    from mesp.lora import LoraConfig
+    from mesp.training import TrainConfig
+    from mesp.training.checkpoint import fingerprint
+
+    cfg = SimpleNamespace(to_hf=lambda: {"model_type": "llama"})
+    loaded = SimpleNamespace(source="m", model=SimpleNamespace(config=cfg))
+
+    def fp(data: DataConfig) -> dict:
+        return fingerprint(loaded, ModelOptions(), "mesp", {}, data, LoraConfig(), TrainConfig())
+
+    assert "train_on" not in fp(DataConfig())["data"]
+    assert fp(DataConfig(train_on="all-assistant"))["data"]["train_on"] == "all-assistant"

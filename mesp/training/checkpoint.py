@@ -137,6 +137,15 @@ def load_state(path: Path) -> TrainState:
     return TrainState(tensors=tensors, **meta)
 
 
+# Data fields added after runs were first saved, with the value every older run had: recorded
+# only when set otherwise, so a run saved before the field existed still resumes.
+LATER_DATA_FIELDS = {"train_on": "all"}
+
+
+def _recorded(fields: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if not (k in later and v == later[k])}
+
+
 def fingerprint(
     loaded: Any,
     opts: Any,
@@ -158,7 +167,7 @@ def fingerprint(
         "dtype": opts.dtype,
         "engine": engine,
         **{k: asdict(v) if is_dataclass(v) else v for k, v in engine_kwargs.items()},
-        "data": asdict(data),
+        "data": _recorded(asdict(data), LATER_DATA_FIELDS),
         "lora": asdict(lora),
         "train": {k: v for k, v in asdict(train).items() if k not in skip},
     }
