@@ -4,6 +4,9 @@ Forward keeps only block inputs (checkpoints). The loss is a chunked cross-entro
 d(final hidden) without full logits. Backward walks blocks in reverse: one no-grad recompute of
 the block records on a tape exactly what the hand backward needs, then the hand backward pops
 each tensor at its last use. LoRA's h = x Aᵀ is recomputed from x (or stored, `h_strategy`).
+Budget-aware recompute (`keep_tapes`, chosen by the planner from --max-memory): the last k
+blocks record their tape during the forward instead, and their backward uses it as it is.
+The block backward and the kept forward are in mesp_block.py.
 
 What each block keeps on the tape, and why (S tokens, F intermediate, H·D attention width):
   n1, n2      inputs of the q/k/v and gate/up LoRA linears (their dA needs x)       S×hidden
@@ -17,174 +20,15 @@ What each block keeps on the tape, and why (S tokens, F intermediate, H·D atten
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from mesp.batch import Batch
 from mesp.engines.loss import LossSpec, loss_value
+from mesp.engines.mesp_block import H_STRATEGIES, block_backward, kept_forward, norm_bwd
 from mesp.engines.offload import CheckpointStore
 from mesp.engines.weight_stream import BlockWeightStream
 from mesp.errors import MespError
-from mesp.models.linear import Linear
-from mesp.models.transformer import MLP, Block, CausalLM, RMSNorm, SeqContext, Tape
-from mesp.ops.attention import attention_bwd
+from mesp.models.transformer import CausalLM, Tape
 from mesp.ops.cross_entropy import chunked_ce_loss_and_grad
-from mesp.ops.lora_linear import lora_linear_backward
-from mesp.ops.mlp import gated_act, gated_act_backward
-from mesp.ops.norm import rms_norm_backward
-from mesp.ops.rope import apply_rope_backward
-
-H_STRATEGIES = ("recompute", "store")
-
-
-def _grad(p: torch.nn.Parameter) -> Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
-
-
-def _norm_bwd(dy: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
-    return rms_norm_backward(dy, x, norm.weight, norm.eps, norm.offset)
-
-
-def _lin_bwd(
-    mod: Linear, dy: Tensor, x: Tensor, need_dx: bool = True, h: Tensor | None = None
-) -> Tensor | None:
-    """dx of one linear (LoRA or plain frozen); adapter gradients accumulate in place."""
-    if mod.lora_A is None or mod.lora_B is None:
-        return dy @ mod.dense(dy.dtype) if need_dx else None
-    gA, gB = _grad(mod.lora_A), _grad(mod.lora_B)
-    return lora_linear_backward(
-        dy, x, mod, mod.lora_A, mod.lora_B, mod.lora_scale, gA, gB, need_dx, h
-    )
-
-
-def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
-    """The paper's 'store h' ablation: h = x Aᵀ for every adapter, taken at recompute time."""
-    at, mlp = block.self_attn, block.mlp
-    b, _, s, _ = tape["o"].shape
-    inputs = {
-        "q_proj": tape["n1"],
-        "k_proj": tape["n1"],
-        "v_proj": tape["n1"],
-        "o_proj": tape["o"].transpose(1, 2).reshape(b, s, -1),
-        "gate_proj": tape["n2"],
-        "up_proj": tape["n2"],
-    }
-    mods = {
-        "q_proj": at.q_proj,
-        "k_proj": at.k_proj,
-        "v_proj": at.v_proj,
-        "o_proj": at.o_proj,
-        "gate_proj": mlp.gate_proj,
-        "up_proj": mlp.up_proj,
-    }
-    hs = {k: x @ mods[k].lora_A.t() for k, x in inputs.items() if mods[k].lora_A is not None}
-    a_down = mlp.down_proj.lora_A
-    if a_down is None:
-        return hs
-    if "gate" in tape:
-        hs["down_proj"] = gated_act(tape["gate"], tape["up"], mlp.act) @ a_down.t()
-        return hs
-    n2 = tape["n2"].reshape(-1, tape["n2"].shape[-1])  # tiled MLP: down's input per tile
-    parts = [mlp.inner(n2[sl]) @ a_down.t() for sl in mlp.tiles(n2.shape[0])]
-    hs["down_proj"] = torch.cat(parts).view(b, s, -1)
-    return hs
-
-
-def _mlp_piece(
-    mlp: MLP, dd: Tensor, n2: Tensor, gate: Tensor, up: Tensor, hs: dict[str, Tensor]
-) -> Tensor:
-    """dn2 for tokens whose MLP input n2, gate/up and output gradient dd are given (all of a
-    block's tokens, or one tile); hs: stored h per projection for these tokens, if any."""
-    dm = _lin_bwd(mlp.down_proj, dd, gated_act(gate, up, mlp.act), h=hs.get("down_proj"))
-    dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
-    del dm, gate, up
-    dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"))
-    del dgate
-    dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"))
-    return dn2
-
-
-def _mlp_backward(mlp: MLP, dd: Tensor, tape: Tape, hs: dict[str, Tensor]) -> Tensor:
-    """dd (B, S, hidden) at the MLP output -> dn2 at its input. With gate/up on the tape, in one
-    piece; else (tiled forward) mlp.tile tokens at a time: gate/up recomputed from n2 for the
-    tile, then the same backward: the MLP is per-token, so the tiles' dn2 rows are exact and
-    the LoRA gradients (sums over tokens) accumulate tile by tile."""
-    n2 = tape.pop("n2")
-    if "gate" in tape:
-        return _mlp_piece(mlp, dd, n2, tape.pop("gate"), tape.pop("up"), hs)
-    shape = n2.shape
-    n2, dd = n2.reshape(-1, shape[-1]), dd.reshape(-1, shape[-1])
-    mlp_h = {
-        k: v.reshape(n2.shape[0], -1)
-        for k, v in hs.items()
-        if k in ("gate_proj", "up_proj", "down_proj")
-    }
-    dn2 = torch.empty_like(n2)
-    for sl in mlp.tiles(n2.shape[0]):
-        t = n2[sl]
-        tile_h = {k: v[sl] for k, v in mlp_h.items()}
-        dn2[sl] = _mlp_piece(mlp, dd[sl], t, mlp.gate_proj(t), mlp.up_proj(t), tile_h)
-    return dn2.view(shape)
-
-
-def block_backward(
-    block: Block, x: Tensor, ctx: SeqContext, dy: Tensor, need_dx: bool, store_h: bool = False
-) -> Tensor | None:
-    """dy (B, S, hidden) at the block output -> dx at its input (None for block 0)."""
-    tape: Tape = {}
-    block(x, ctx, tape=tape)  # output dropped at once: only the tape survives
-    hs = _store_h(block, tape) if store_h else {}
-    at, mlp = block.self_attn, block.mlp
-    t = block.layer_type
-
-    # MLP half: y = x2 + [post_ff_norm](down(act(gate)·up)), gate/up = proj(n2)
-    dd = _norm_bwd(dy, tape.pop("d"), block.post_feedforward_layernorm) if block.sandwich else dy
-    dn2 = _mlp_backward(mlp, dd, tape, hs)
-    del dd
-    norm2 = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
-    dx2 = dy + _norm_bwd(dn2, tape.pop("x2"), norm2)  # residual + through the norm
-    del dn2, dy
-
-    # Attention half: x2 = x + [post_attn_norm](o_proj(attn(rope(q), rope(k), v)))
-    da = _norm_bwd(dx2, tape.pop("a"), block.post_attention_layernorm) if block.sandwich else dx2
-    o = tape.pop("o")
-    b, h, s, d = o.shape
-    do = _lin_bwd(at.o_proj, da, o.transpose(1, 2).reshape(b, s, h * d), h=hs.get("o_proj"))
-    del da
-    dq, dk, dv = attention_bwd(
-        do.view(b, s, h, d).transpose(1, 2),
-        tape.pop("q"),
-        tape.pop("k"),
-        tape.pop("v"),
-        o,
-        tape.pop("lse"),
-        at.scale,
-        ctx.mask[t],
-    )
-    del do, o
-    dq = apply_rope_backward(dq, ctx.cos[t], ctx.sin[t])  # the inverse rotation
-    dk = apply_rope_backward(dk, ctx.cos[t], ctx.sin[t])
-    if at.q_norm is not None and at.k_norm is not None:
-        dq = _norm_bwd(dq, tape.pop("q_lin"), at.q_norm)
-        dk = _norm_bwd(dk, tape.pop("k_lin"), at.k_norm)
-    n1 = tape.pop("n1")
-
-    def flat(g: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, H·D)
-        return g.transpose(1, 2).reshape(b, s, -1)
-
-    dn1 = _lin_bwd(at.q_proj, flat(dq), n1, need_dx, hs.get("q_proj"))
-    del dq
-    dk_in = _lin_bwd(at.k_proj, flat(dk), n1, need_dx, hs.get("k_proj"))
-    del dk
-    dv_in = _lin_bwd(at.v_proj, flat(dv), n1, need_dx, hs.get("v_proj"))
-    del dv, n1
-    if not need_dx or dn1 is None or dk_in is None or dv_in is None:
-        return None
-    dn1 += dk_in
-    dn1 += dv_in
-    del dk_in, dv_in
-    return dx2.add_(_norm_bwd(dn1, x, block.input_layernorm))
 
 
 class MeSPEngine:
@@ -200,11 +44,14 @@ class MeSPEngine:
         offload_fallback: bool = False,
         loss: LossSpec | None = None,
         stream_weights: bool = False,
+        keep_tapes: int = 0,
     ) -> None:
-        """stream_weights: frozen block weights live on disk (in offload_dir), one or two
-        blocks resident at a time (see weight_stream). chunk_rows None: all trained rows in
-        one logits block; vocab_chunk 0 or None: the
-        head in one piece (with chunk_rows None, the full-logits baseline of the ladder)."""
+        """keep_tapes: the last this many blocks record their tape in the forward and skip the
+        recompute (budget-aware recompute: the planner picks it from --max-memory); the
+        gradients are the same bits. stream_weights: frozen block weights live on disk (in
+        offload_dir), one or two blocks resident at a time (see weight_stream). chunk_rows
+        None: all trained rows in one logits block; vocab_chunk 0 or None: the head in one
+        piece (with chunk_rows None, the full-logits baseline of the ladder)."""
         if h_strategy not in H_STRATEGIES:
             raise MespError(f"--h-strategy must be one of {', '.join(H_STRATEGIES)}")
         self.store_h = h_strategy == "store"
@@ -212,6 +59,9 @@ class MeSPEngine:
         self.offload = (offload, offload_dir, offload_fallback)
         self.loss = loss or LossSpec()
         self.stream_weights, self._stream = stream_weights, None
+        if keep_tapes < 0:
+            raise MespError(f"keep_tapes must be 0 or more, got {keep_tapes}")
+        self.keep_tapes = keep_tapes
 
     def attach(self, model: CausalLM) -> BlockWeightStream | None:
         """Start streaming `model`'s block weights (once per model) when asked to."""
@@ -233,13 +83,20 @@ class MeSPEngine:
         ctx = model.context(ids.shape[1], ids.device)
         ws = self.attach(model)
         h = model.embed(ids)
+        n_layers = len(model.layers)
+        first_kept = n_layers - min(self.keep_tapes, n_layers)
+        tapes: dict[int, Tape] = {}  # the kept blocks' tapes, each freed by its backward
         for i, block in enumerate(model.layers):
-            store.put(i, h)  # block input: the only activation kept across blocks
+            # block input: the only activation kept across blocks (a kept block's backward
+            # still needs it, for the first norm's)
+            store.put(i, h)
             if ws is not None:
                 ws.prefetch(i)  # (a no-op when block i was prefetched already)
                 ws.prefetch(i + 1)
-            h = block(h, ctx)
-        n_layers = len(model.layers)
+            if i >= first_kept:
+                h, tapes[i] = kept_forward(block, h, ctx)
+            else:
+                h = block(h, ctx)
         store.prefetch(n_layers - 1)  # read the last checkpoint back while the loss runs
         norm = model.model.norm
         hn = norm(h)
@@ -254,7 +111,7 @@ class MeSPEngine:
             opts=self.loss.ce_options(self.chunk_rows, self.vocab_chunk),
         )
         del hn
-        g = _norm_bwd(dhn, h, norm)
+        g = norm_bwd(dhn, h, norm)
         del dhn, h
         for i in range(n_layers - 1, -1, -1):
             x = store.pop(i)
@@ -262,7 +119,9 @@ class MeSPEngine:
             if ws is not None:
                 ws.pin(i)  # resident through the recompute and the hand backward
                 ws.prefetch(i - 1)
-            g = block_backward(model.layers[i], x, ctx, g, need_dx=i > 0, store_h=self.store_h)
+            g = block_backward(
+                model.layers[i], x, ctx, g, i > 0, self.store_h, tape=tapes.pop(i, None)
+            )
             del x
             if ws is not None:
                 ws.unpin(i)

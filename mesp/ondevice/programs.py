@@ -3,8 +3,9 @@
 Every tensor is an argument: frozen weights, LoRA weights, activations, RoPE tables and the mask.
 Only shapes, dtypes and family flags are baked in, so one captured graph serves every block of
 the same layer type. Each function replays exactly the ops of the in-process path (Block.forward,
-Linear.forward, mesp.engines.mesp.block_backward, mesp.ops.cross_entropy), in the same order and
-dtypes, so an exported run reproduces the engine bit for bit. Dictionaries map names to tensors:
+Linear.forward, mesp.engines.mesp_block.block_backward, mesp.ops.cross_entropy), in the same
+order and dtypes, so an exported run reproduces the engine bit for bit. Dictionaries map names
+to tensors:
   weights  the block's state-dict keys without the `model.layers.{i}.` prefix and without LoRA
   lora     "{linear}.lora_A" (r, in), "{linear}.lora_B" (out, r)
   ctx      "cos", "sin" (S, D) and, for sliding-window layers shorter than S, "mask" (S, S) additive
@@ -169,7 +170,7 @@ def block_forward(
     return y
 
 
-# ---- the block backward: mesp.engines.mesp.block_backward with weights as arguments ----
+# ---- the block backward: mesp.engines.mesp_block.block_backward with weights as arguments ----
 
 
 def _lin_bwd(

@@ -119,6 +119,22 @@ def attention_fwd(
     return _chunked_fwd(q, k, v, scale, mask, chunk)
 
 
+def fwd_matches_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """Whether `attention(q, k, v, scale, mask)` runs the very kernel call `attention_fwd` makes,
+    so that their outputs are the same bits: both on the CPU flash kernel with native GQA, the
+    same causal flag (S > 1), and a mask SDPA turns into the same 0 / -inf additive mask. A
+    kept mesp tape may then stand in for the plain forward; elsewhere (CUDA, the chunked
+    fallback, SDPA choosing its math kernel) the caller must not assume equal outputs."""
+    if q.shape[2] < 2 or not _use_flash(q, "auto") or not _cpu_flash()[1]:
+        return False
+    if q.is_meta:  # `attention` calls the flash op itself on the meta device
+        return True
+    causal = mask is None
+    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, causal, scale=1.0, enable_gqa=True)
+    return choice == flash
+
+
 def attention_bwd(
     dout: Tensor,
     q: Tensor,
