@@ -53,13 +53,14 @@ def measure(
     dtype: torch.dtype = torch.float32,
     batch: int = 2,
     optimizer: str = "adamw",
+    keep_tapes: int = 0,
 ) -> dict[str, int]:
     """Peak of one trainer iteration (engine step, optimizer step, zero_grad) after a warm-up
     iteration that creates the optimizer state."""
     model = random_model(cfg, quant, dtype)
     apply_lora(model, LoraConfig(rank=8))
     params = model.lora_parameters()
-    eng = make_engine(engine)
+    eng = make_engine(engine, **({"keep_tapes": keep_tapes} if keep_tapes else {}))
     opt = make_optimizer(params, optimizer, 1e-4, 0.0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
@@ -84,7 +85,18 @@ def check(
     got = measure(cfg, engine, seq, quant, **kw)  # type: ignore[arg-type]
     dtype = kw.get("dtype", torch.float32)
     opt = kw.get("optimizer", "adamw")
-    p = predict(cfg, engine, seq, kw.get("batch", 2), 8, quant=quant, dtype=dtype, optimizer=opt)  # type: ignore[arg-type]
+    keep = kw.get("keep_tapes", 0)
+    p = predict(
+        cfg,
+        engine,
+        seq,
+        kw.get("batch", 2),
+        8,
+        quant=quant,
+        dtype=dtype,
+        optimizer=opt,
+        keep_tapes=keep,
+    )  # type: ignore[arg-type]
     assert p["weights"] == got["weights"]  # weights are counted, not modelled
     parts = ("weights", "adapter", "optimizer", "grads_at_peak", "checkpoints", "working", "logits")
     assert sum(int(p[k]) for k in parts) == p["total"]  # the table's columns add up
@@ -199,6 +211,21 @@ def test_predicted_peak_with_the_tiled_mlp(engine: str, family: str) -> None:
     check(family, engine, 640, Q4, optimizer="sgd")
 
 
+@pytest.mark.parametrize(
+    "family,seq,quant,keep",
+    [("qwen2", 256, Q4, 4), ("gemma3", 64, None, 2), ("llama", 640, Q4, 3)],
+    ids=["qwen2-256-all", "gemma3-64-half", "llama-640-tiled"],
+)
+def test_predicted_peak_with_kept_tapes(
+    family: str, seq: int, quant: QuantSpec | None, keep: int
+) -> None:
+    """Budget-aware recompute: mesp keeping the last `keep` of 4 tapes, within the same ±10%;
+    and the kept tapes cost what the model says beyond plain mesp's peak."""
+    kept, _ = check(family, "mesp", seq, quant, optimizer="sgd", keep_tapes=keep)
+    plain = predict(small_config(family), "mesp", seq, 2, quant=quant, optimizer="sgd")
+    assert int(plain["total"]) < kept
+
+
 # Published parameter counts: the model cards' figures (Qwen2.5, Qwen3: "Number of
 # Parameters"; SmolLM2, Llama 3.x, Gemma 3 270M/1B: the size in the name or card). Gemma 3
 # 4B/12B/27B are image-text models; their published 4.3B/12.2B/27.4B include the 417M SigLIP
@@ -263,3 +290,37 @@ def test_logits_are_the_loss_heads_part_of_the_peak() -> None:
         if eng in ("bp", "mebp"):
             assert p["peak_at"] == "cross-entropy" and int(p["logits"]) >= 3 * t * v * 4
     assert predict(cfg, "mesp", t, 1, quant=Q4, optimizer="sgd")["logits"] == 0
+
+
+def test_the_budget_sets_how_many_tapes_mesp_keeps() -> None:
+    """The planner keeps the largest k whose predicted peak fits TAPE_FILL of the budget; the
+    training budget check gives the same k; no budget (or another engine) keeps none."""
+    from mesp.data import DataConfig
+    from mesp.loading.session import ModelOptions
+    from mesp.memory.plan import TAPE_FILL, kept_tapes, plan
+    from mesp.training.budget import budget_tapes, check_budget
+    from mesp.training.config import TrainConfig
+
+    cfg = shape_config("qwen2.5-0.5b")
+    run = Run(seq_len=256, quant=Q4, optimizer="sgd")
+    plain = int(run.predict(cfg, "mesp")["total"])
+    assert kept_tapes(10**12, cfg, run) == cfg.num_hidden_layers
+    assert kept_tapes(plain, cfg, run) == 0  # plain mesp fits, but not within TAPE_FILL
+    budget = int(1.5 * plain)
+    k = kept_tapes(budget, cfg, run)
+    assert 0 < k < cfg.num_hidden_layers
+    assert int(run.predict(cfg, "mesp", keep_tapes=k)["total"]) <= TAPE_FILL * budget
+    assert int(run.predict(cfg, "mesp", keep_tapes=k + 1)["total"]) > TAPE_FILL * budget
+    bt = plan(budget, cfg, "qwen2.5-0.5b", run)["engines"]["mesp"]["budget_tapes"]
+    assert bt == {"kept": k, "layers": 24, "total": run.predict(cfg, "mesp", keep_tapes=k)["total"]}
+
+    opts = ModelOptions(model="random:qwen2.5-0.5b", quantize="4")
+    data, train = DataConfig(seq_len=256), TrainConfig(batch_size=1, optimizer="sgd")
+    lora = LoraConfig(rank=8)
+    mem = f"{budget}B"
+    got = check_budget(mem, opts, "mesp", data, lora, train)
+    assert budget_tapes(got, opts, "mesp", data, lora, train) == k
+    assert budget_tapes(None, opts, "mesp", data, lora, train) == 0
+    assert budget_tapes(got, opts, "mebp", data, lora, train) == 0
+    with pytest.raises(MespError, match="mesp"):
+        predict(cfg, "mebp", 256, 1, keep_tapes=2)

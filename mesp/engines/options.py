@@ -78,11 +78,20 @@ class EngineOptions:
 
 
 def engine_kwargs(
-    o: EngineOptions, quantize: str, seed: int = 0, weight_decay: float = 0.0
+    o: EngineOptions,
+    quantize: str,
+    seed: int = 0,
+    weight_decay: float = 0.0,
+    keep_tapes: int = 0,
 ) -> dict[str, Any]:
     """`make_engine(o.engine, **engine_kwargs(o, …))`; refuses flag combinations the engine
-    cannot honour, and a spill directory it could not write, before any work is done."""
+    cannot honour, and a spill directory it could not write, before any work is done.
+    keep_tapes: mesp's budget-aware recompute, from the planner (not a flag: --max-memory)."""
     kw: dict[str, Any] = {"loss": LossSpec(o.loss, o.vocab_subset, o.logits_masking, seed=seed)}
+    if keep_tapes:
+        if o.engine != "mesp":
+            raise MespError(f"keeping block tapes needs --engine mesp, not {o.engine}")
+        kw["keep_tapes"] = keep_tapes
     if o.engine in ("mesp", "mebp") and o.offload != "none":
         kw.update(offload=o.offload, offload_dir=o.offload_dir, offload_fallback=o.offload_fallback)
     if o.engine == "mesp":

@@ -26,6 +26,10 @@ Peak = the largest of these moments, each the state then live plus its working s
                                down's backward 3TF·e + W(D, F; TF·e); the recompute forward
   mesp cross-entropy           h, hn 2TD·e + rows 2TD·e (trained rows, their gradient)
                                + W(V', D; c·V'·f + c·V'·e·[e < 4] + c·D·e)
+  mesp keeping k tapes         (budget-aware recompute) the last k blocks' tapes, recorded in
+                               the forward: k−1 of them beside a kept block's forward (its own
+                               tape growing to whole, then its output beside it, 2TD·e), all k
+                               through the cross-entropy, k−1 beside the first block backward
   autograd (bp all blocks,     per block: n1, n2 (TD·e each, for dA), x2 and the block input as
   mebp one block)              the norms' fp32 inputs (TD·f), 1/rms (T·4 per norm), q, k, v, o
                                T(2Q + 2K)·e, lse B·H·S·4, gate, up, act(gate), act·up 4TF·e,
@@ -334,16 +338,23 @@ def predict(
     quant: QuantSpec | None = None,
     dtype: torch.dtype = torch.float32,
     optimizer: str = "adamw",
+    keep_tapes: int = 0,
 ) -> dict[str, int | str]:
     """Bytes of each part of one training step and its peak (`total`): the largest of the
-    moments in `phase:*`, each the state live then plus that moment's working set."""
+    moments in `phase:*`, each the state live then plus that moment's working set.
+    `keep_tapes`: mesp keeps the tapes of its last this many blocks (budget-aware recompute)."""
     s = sizes(cfg, seq_len, batch, rank, targets, quant, dtype)
-    return predict_sizes(s, resident_weight_bytes(cfg, quant, dtype), engine, optimizer)
+    weights = resident_weight_bytes(cfg, quant, dtype)
+    return predict_sizes(s, weights, engine, optimizer, keep_tapes)
 
 
-def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[str, int | str]:
+def predict_sizes(
+    s: Sizes, weights: int, engine: str, optimizer: str, keep_tapes: int = 0
+) -> dict[str, int | str]:
     if engine not in ENGINES:
         raise MespError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+    if keep_tapes and engine != "mesp":
+        raise MespError(f"keeping tapes is mesp's (budget-aware recompute), not {engine}'s")
     if optimizer not in ("adamw", "sgd"):
         raise MespError(f"unknown optimizer {optimizer!r}; choose from adamw, sgd")
     T, D, e, L = s.T, s.D, s.e, s.L
@@ -368,10 +379,17 @@ def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[s
         phases["cross-entropy"] = state - s.tables + T * D * e + ce
         saved = 0
     elif engine == "mesp":
-        phases["forward"] = state + ckpt + block_forward_peak(s, tape=False)
-        phases["cross-entropy"] = state + ckpt + 2 * T * D * e + ce
-        phases["block backward"] = state + g1 + ckpt + T * D * e + mesp_block_backward_peak(s)
         saved = tape_bytes(s)
+        k = min(keep_tapes, L)
+        kept = k * saved  # the kept tapes, all alive from the last forward to the first backward
+        if k < L:  # blocks run without a tape
+            phases["forward"] = state + ckpt + block_forward_peak(s, tape=False)
+        if k:  # a kept block's forward: the others' tapes, its own, then its output beside it
+            own = max(block_forward_peak(s, tape=True), saved + 2 * T * D * e)
+            phases["kept forward"] = state + ckpt + kept - saved + own
+        phases["cross-entropy"] = state + ckpt + 2 * T * D * e + ce + kept
+        bwd = state + g1 + ckpt + T * D * e + mesp_block_backward_peak(s)
+        phases["block backward"] = bwd + max(kept - saved, 0)  # the last block's, if kept
     elif engine == "mebp":
         # the final norm keeps h (an fp32 copy when e < 4) and 1/rms for the head's backward
         head_saved = T * D * e + (e < s.f) * T * D * s.f + T * 4
@@ -400,6 +418,7 @@ def predict_sizes(s: Sizes, weights: int, engine: str, optimizer: str) -> dict[s
         "optimizer": opt,
         "checkpoints": ckpt,
         "saved": saved,  # bp: every block's autograd activations; mebp, mesp: one block's
+        "kept_tapes": min(keep_tapes, L) if engine == "mesp" else 0,
         "grads_at_peak": live,
         # the loss head's working bytes at the peak (0 when the peak is outside the loss)
         "logits": logits,

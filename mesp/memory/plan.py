@@ -102,7 +102,9 @@ class Run:
     dtype: torch.dtype = torch.float32
     optimizer: str = "adamw"
 
-    def predict(self, cfg: ModelConfig, engine: str, seq_len: int | None = None) -> dict:
+    def predict(
+        self, cfg: ModelConfig, engine: str, seq_len: int | None = None, keep_tapes: int = 0
+    ) -> dict:
         s = seq_len or self.seq_len
         return predict(
             cfg,
@@ -114,7 +116,30 @@ class Run:
             self.quant,
             self.dtype,
             self.optimizer,
+            keep_tapes,
         )
+
+
+# Budget-aware recompute fills only this share of the budget with mesp's kept tapes: the model
+# is within ±10% of the measured peak, and the trainer stops a run whose measured peak crosses
+# --max-memory, so tapes kept up to the last byte would turn a faster run into a stopped one.
+TAPE_FILL = 0.9
+
+
+def kept_tapes(budget_bytes: int, cfg: ModelConfig, run: Run = Run()) -> int:
+    """How many of its last blocks' tapes mesp keeps within the budget: the largest k whose
+    predicted peak stays within TAPE_FILL of it (0: every block recomputes, as plain mesp)."""
+    s = sizes(cfg, run.seq_len, run.batch, run.rank, run.targets, run.quant, run.dtype)
+    weights = resident_weight_bytes(cfg, run.quant, run.dtype)
+
+    def fits(k: int) -> bool:
+        total = predict_sizes(s, weights, "mesp", run.optimizer, k)["total"]
+        return int(total) <= TAPE_FILL * budget_bytes
+
+    k = s.L
+    while k > 0 and not fits(k):  # the peak grows with k: the first that fits is the largest
+        k -= 1
+    return k
 
 
 def largest_model(
@@ -175,6 +200,12 @@ def plan(budget_bytes: int, cfg: ModelConfig, name: str, run: Run = Run()) -> di
             "largest_model": largest_model(budget_bytes, ladder, eng, run)["largest"],
         }
     q = run.quant
+    tapes = kept_tapes(budget_bytes, cfg, run) if engines["mesp"]["fits"] else 0
+    engines["mesp"]["budget_tapes"] = {
+        "kept": tapes,
+        "layers": cfg.num_hidden_layers,
+        "total": int(run.predict(cfg, "mesp", keep_tapes=tapes)["total"]),
+    }
     return {
         "budget": budget_bytes,
         "model": name,
@@ -226,4 +257,15 @@ def format_plan(p: dict) -> str:
         " and temporaries; logits: the loss head's logits, log-softmax and rows, 0 when the peak"
         " is elsewhere); the Python and torch runtime add their own"
     )
+    bt = p["engines"].get("mesp", {}).get("budget_tapes")
+    if bt is not None:  # budget-aware recompute: the split `--max-memory` would give mesp
+        k, n, budget = bt["kept"], bt["layers"], f"--max-memory {p['budget'] / mib:,.0f} MiB"
+        if not p["engines"]["mesp"]["fits"]:
+            lines.append(f"with {budget} mesp does not fit: no tape is kept")
+        else:
+            lines.append(
+                f"with {budget}, mesp keeps the tape of the last {k} of {n} blocks and "
+                f"recomputes {n - k} (peak {bt['total'] / mib:.1f} MiB; tapes fill at most "
+                f"{TAPE_FILL:.0%} of the budget)"
+            )
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """`--max-memory`: refuse, before any weight is loaded, a setup the planner says will not fit,
-naming a change that would; the trainer then watches the measured peak against the budget."""
+naming a change that would; the trainer then watches the measured peak against the budget.
+With engine mesp, the budget also sets how many blocks keep their tape (budget_tapes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from mesp.loading.info import config_of
 from mesp.loading.session import ModelOptions
 from mesp.lora import LoraConfig
 from mesp.memory.model import predict
-from mesp.memory.plan import parse_bytes
+from mesp.memory.plan import Run, kept_tapes, parse_bytes
 from mesp.training.config import TrainConfig
 
 
@@ -57,3 +58,23 @@ def check_budget(
         f"needs about {have / 2**20:.0f} MiB; "
         + (" or ".join(hints) + " would fit" if hints else "no engine fits; try a smaller model")
     )
+
+
+def budget_tapes(
+    budget: int | None,
+    opts: ModelOptions,
+    engine: str,
+    data: DataConfig,
+    lora: LoraConfig,
+    train: TrainConfig,
+) -> int:
+    """Budget-aware recompute: how many of its last blocks mesp keeps the tape of under the
+    budget `check_budget` returned (0 without a budget, or for another engine)."""
+    if budget is None or engine != "mesp":
+        return 0
+    rows = -(-train.batch_size // int(os.environ.get("WORLD_SIZE", "1")))
+    run = Run(
+        data.seq_len, rows, lora.rank, tuple(lora.targets), opts.quant, opts.torch_dtype,
+        train.optimizer,
+    )  # fmt: skip
+    return kept_tapes(budget, config_of(opts), run)

@@ -17,7 +17,7 @@ from mesp.engines.options import EngineOptions, engine_kwargs
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import LoraConfig, apply_lora, check_output_dir
-from mesp.training.budget import check_budget
+from mesp.training.budget import budget_tapes, check_budget
 from mesp.training.checkpoint import check_fingerprint, fingerprint, load_state
 from mesp.training.config import TrainConfig
 from mesp.training.distributed import from_env, launch_torchrun, shutdown
@@ -118,12 +118,18 @@ def run(job: TrainJob) -> int:
         job.model.device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per data-parallel rank
     job.data.validate()
     kw = engine_kwargs(job.engine, job.model.quantize, job.train.seed, job.train.weight_decay)
-    engine = make_engine(job.engine.engine, **kw)
     out = job.out
     check_output_dir(out)
     resume = load_state(out) if job.run.resume else None
     budget = check_budget(
         job.run.max_memory, job.model, job.engine.engine, job.data, job.lora, job.train
+    )
+    # budget-aware recompute: not in `kw`, whose items are the fingerprint, since kept tapes
+    # give the same gradient bits and a resumed run may have another budget
+    tapes = budget_tapes(budget, job.model, job.engine.engine, job.data, job.lora, job.train)
+    seed, wd = job.train.seed, job.train.weight_decay
+    engine = make_engine(
+        job.engine.engine, **engine_kwargs(job.engine, job.model.quantize, seed, wd, tapes)
     )
     dp = from_env(job.run.dist_timeout, job.model.device)
     main = dp is None or dp.is_main
