@@ -175,6 +175,8 @@ class ChildConfig:
     offload: str = "none"
     stream_weights: bool = False  # mesp: block weights on disk, streamed
     loss_fraction: float = 1.0  # trained share of positions (the last ones of the row)
+    # mesp: a --max-memory budget; the planner picks how many tapes to keep under it
+    max_memory: str | None = None
 
 
 def shape_dict(name: str) -> dict[str, Any]:
@@ -205,7 +207,10 @@ def _mesp_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step,
     model = random_model(cfg, quant, dtype, seed=c.seed, device=c.device)
     apply_lora(model, LoraConfig(rank=c.rank), seed=c.seed)
     model.to(c.device)  # the adapter too, on a meta model
-    engine = make_engine(c.engine, **_engine_opts(c))
+    opts = _engine_opts(c)
+    if c.max_memory:
+        opts["keep_tapes"] = _kept_tapes(c, cfg, quant, dtype)
+    engine = make_engine(c.engine, **opts)
     if c.stream_weights:  # before the weights are listed: streamed blocks leave memory now
         engine.attach(model)  # type: ignore[attr-defined]
     params = model.lora_parameters()
@@ -219,6 +224,14 @@ def _mesp_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step,
         return loss
 
     return step, list(model.buffers()), params, (opt, cfg, quant)
+
+
+def _kept_tapes(c: ChildConfig, cfg: Any, quant: Any, dtype: torch.dtype) -> int:
+    """What `mesp train --max-memory` would keep under c.max_memory (this step's SGD)."""
+    from mesp.memory.plan import Run, kept_tapes, parse_bytes
+
+    run = Run(c.seq, c.batch, c.rank, LORA_TARGETS, quant, dtype, "sgd")
+    return kept_tapes(parse_bytes(c.max_memory or "0"), cfg, run)
 
 
 def _engine_opts(c: ChildConfig) -> dict[str, Any]:
@@ -369,6 +382,7 @@ def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
         "tracked_s": tracked_s,
         "floor": floor,
         "floor_note": floor_note,
+        "kept_tapes": _kept_tapes(c, cfg, quant, dtype) if c.max_memory else None,
         "losses": losses,
         "adapter_params": sum(p.numel() for p in params),
         "threads": torch.get_num_threads(),

@@ -33,6 +33,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mesp-fp": {"engine": "mesp", "bits": None},
     "mesp-disk": {"engine": "mesp", "offload": "disk"},
     "mesp-stream": {"engine": "mesp", "offload": "disk", "stream_weights": True},
+    # budget-aware recompute: a budget so generous that the planner keeps every block's tape
+    "mesp-budget": {"engine": "mesp", "max_memory": "1TB"},
 }
 
 
@@ -66,6 +68,13 @@ TABLES["offload"] = TableSpec(
     (8,),
     ("mesp", "mesp-disk", "mesp-stream"),
 )
+TABLES["budget"] = TableSpec(
+    "Budget-aware recompute: mesp keeping every tape, against bp and plain mesp",
+    _Q05,
+    (256,),
+    (8,),
+    ("bp", "mesp", "mesp-budget"),
+)
 _TINY = ("tiny-qwen2",)
 QUICK: dict[str, TableSpec] = {
     "table1": replace(TABLES["table1"], shapes=_TINY, seqs=(64,)),
@@ -73,6 +82,7 @@ QUICK: dict[str, TableSpec] = {
     "table3": replace(TABLES["table3"], shapes=_TINY, seqs=(64,), ranks=(4, 16)),
     "table5": replace(TABLES["table5"], shapes=_TINY, seqs=(64,)),
     "offload": replace(TABLES["offload"], shapes=_TINY, seqs=(64,)),
+    "budget": replace(TABLES["budget"], shapes=_TINY, seqs=(64,)),
 }
 
 

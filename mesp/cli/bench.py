@@ -22,6 +22,7 @@ TABLE_CHOICES = (
     "table3",
     "table5",
     "offload",
+    "budget",
     "quick",
     "ladder",
     "softmax",
