@@ -62,6 +62,20 @@ def expected_tensors(model: CausalLM) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _check_layer_count(cfg: ModelConfig, src: TensorSource) -> None:
+    """A config asking for more layers than the weights hold fails before the model is built:
+    a corrupt layer count (say 2**24) would otherwise build millions of blocks first."""
+    held = {int(n.split(".")[2]) for n in src.names if n.startswith("model.layers.")
+            and n.split(".")[2].isdigit()}  # fmt: skip
+    n = cfg.num_hidden_layers  # the first absent index is at most len(held): no walk to n
+    first = next((i for i in range(min(n, len(held) + 1)) if i not in held), None)
+    if first is not None:
+        raise MespError(
+            f"{src.source}: missing tensor model.layers.{first}.input_layernorm.weight (the "
+            f"config has {n} layers, the weights {len(held)})"
+        )
+
+
 def build_model(
     cfg: ModelConfig,
     src: TensorSource,
@@ -69,6 +83,7 @@ def build_model(
     quant: QuantSpec | None = None,
 ) -> CausalLM:
     """Strict load: every expected tensor present with the config's shape, nothing unexplained."""
+    _check_layer_count(cfg, src)
     with torch.device("meta"):
         model = CausalLM(cfg, dtype)
     expected = expected_tensors(model)

@@ -235,6 +235,15 @@ def _hf_config(meta: dict[str, Any], infos: dict[str, _Info], arch: str, where: 
         "hidden_act": "silu",
         "rope_scaling": None,
     }
+    # A corrupt block_count (say 2**27) must fail here, not after listing 2**27 blocks' names.
+    held = {int(b) for b in (n.split(".")[1] for n in infos if n.startswith("blk.")) if b.isdigit()}
+    n = cfg["num_hidden_layers"]
+    first = next((i for i in range(min(n, len(held) + 1)) if i not in held), None)
+    if first is not None:
+        raise MespError(
+            f"{where}: missing tensor 'blk.{first}.{_REQUIRED[arch][0]}.weight' (block_count "
+            f"is {n}, the file holds {len(held)} blocks)"
+        )
     for key, tok_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         cfg[f"{key}_token_id"] = meta.get(f"tokenizer.ggml.{tok_key}_token_id")
     kind = get("rope.scaling.type", "none")
