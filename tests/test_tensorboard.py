@@ -120,8 +120,8 @@ def test_unwritable_dir_is_one_line_before_loading(
 @pytest.mark.slow
 def test_only_rank_zero_writes(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     out, tb = tmp_path / "ad", tmp_path / "tb"
-    argv = train_argv(*tiny, out, "--tensorboard", str(tb), "--nproc", "2", "--master-port",
-                      "29671", python=True, steps=3, eval_every=0, **FLAGS)  # fmt: skip
+    argv = train_argv(*tiny, out, "--tensorboard", str(tb), "--nproc", "2", python=True,
+                      steps=3, eval_every=0, **FLAGS)  # fmt: skip
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(list(tb.glob("events.out.tfevents.*"))) == 1

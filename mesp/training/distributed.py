@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,43 +97,54 @@ def from_env(timeout_s: float = 120.0, device: str = "cpu") -> DataParallel | No
         return None
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
-        try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as e:
-            raise MespError(f"could not join the process group: {str(e).splitlines()[0]}") from None
+        join(backend, timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return DataParallel(dist.get_rank(), dist.get_world_size())
 
 
-def shutdown() -> None:
+def join(backend: str, timeout_s: float) -> None:
+    """init_process_group from torchrun's environment, torch.distributed.nn imported first.
+
+    That module binds `group.WORLD` as a default argument of its collectives when it is
+    imported; torch._dynamo imports it, and the first optimizer imports dynamo. Imported after
+    init, it pins the default group: destroy_process_group() can no longer free it, so its gloo
+    threads and sockets outlive shutdown() and are torn down only at interpreter exit, in
+    whatever order the interpreter and the C++ static destructors happen to take."""
+    import torch.distributed.nn  # noqa: F401
+
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise MespError(f"could not join the process group: {str(e).splitlines()[0]}") from None
+
+
+def shutdown(clean: bool = False) -> None:
+    """Leave the process group. `clean` (a run that ended normally on every rank): first wait
+    at a barrier, so that no rank closes its connections while another one still works."""
     if dist.is_initialized():
+        if clean:
+            try:
+                dist.barrier()
+            except Exception:  # a rank that failed after its last step reports that itself
+                pass
         dist.destroy_process_group()
 
 
 def launch_torchrun(argv: list[str], nproc: int, master_port: int, out: Path) -> int:
-    """`mesp train --nproc N …` = `torchrun --nproc-per-node N -m mesp train …`; `out` is where
-    the ranks save, named in the one line a failed run ends with."""
+    """`mesp train --nproc N …` = `torchrun --nproc-per-node N -m mesp train …` (through
+    mesp.training.launch); `out` is where the ranks save and log, named in the one line a
+    failed run ends with."""
+    from mesp.training.launch import run_ranks
+
     argv = list(argv)
     if "--nproc" in argv:  # absent when the count came from a resumed run's flags
         i = argv.index("--nproc")
         del argv[i : i + 2]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(master_port),
-        "-m",
-        "mesp",
-        *argv,
-    ]
-    rc = subprocess.call(cmd)
+    rc, failed = run_ranks(nproc, master_port, out / "logs", argv)
     if rc not in (0, 130, 143):  # torchrun's own report is long; end with the one line to act on
         raise MespError(
-            f"a data-parallel rank failed (torchrun exit {rc}); the last saved state is in "
-            f"{out}: resume with mesp train --resume {out}"
+            f"a data-parallel rank failed ({failed or f'torchrun exit {rc}'}); the last saved "
+            f"state is in {out}: resume with mesp train --resume {out}"
         )
     return rc

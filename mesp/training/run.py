@@ -59,7 +59,9 @@ class RunOptions:
     nproc: int = field(
         default=1, metadata={"help": "data-parallel processes on this machine (launches torchrun)"}
     )
-    master_port: int = field(default=29517, metadata={"help": "torchrun rendezvous port"})
+    master_port: int = field(
+        default=0, metadata={"help": "torchrun rendezvous port (default 0: a free one per launch)"}
+    )
     dist_timeout: float = field(
         default=120.0, metadata={"help": "seconds before surviving ranks give up on a dead one"}
     )
@@ -185,10 +187,13 @@ def run(job: TrainJob) -> int:
             max_memory=budget,
             tensorboard=tb,
         )
+    except BaseException:
+        shutdown()
+        raise
     finally:
         if tb is not None:
             tb.close()
-        shutdown()
+    shutdown(clean=True)  # every rank ended its run: leave together, not while one still saves
     if not main:
         return 0
     after = res.valid[-1] if res.valid else {}
