@@ -189,3 +189,39 @@ def from_uint32(words: Tensor) -> Tensor:
     if words.dtype != torch.uint32:
         raise MespError(f"packed weight must be uint32 or int32, got {words.dtype}")
     return words.view(torch.int32)
+
+
+def packed_bytes(wq: Tensor) -> Tensor:
+    """The packed words as bytes ``(rows, in * bits // 8)`` uint8: the same memory, and on a
+    little-endian host byte k holds values 2k (low nibble) and 2k + 1 (high nibble) for 4 bits,
+    value k for 8 bits. The form edge programs read (their dialect has no dtype view)."""
+    if not _LITTLE_ENDIAN:
+        raise MespError("packed bytes for edge runtimes need a little-endian host")
+    return wq.contiguous().view(torch.uint8)
+
+
+def _unpack_bytes_float(wb: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
+    """As :func:`_unpack`, from :func:`packed_bytes`, in float ops only (edge runtimes: no ``>>``,
+    no dtype view, and float ops are what an accelerated backend such as XNNPACK takes). Every
+    step is exact in fp32/bf16/fp16: bytes 0..255 convert exactly, /16 is a power-of-two scaling,
+    floor and the subtraction stay on small integers."""
+    b = wb.to(dtype)
+    if bits == 8:
+        return b
+    hi = torch.floor(b * 0.0625)
+    lo = b - hi * 16
+    return torch.stack([lo, hi], -1).view(wb.shape[0], wb.shape[1] * 2)
+
+
+def dequantize_core_aten(
+    wb: Tensor, scales: Tensor, biases: Tensor, spec: QuantSpec, dtype: torch.dtype | None = None
+) -> Tensor:
+    """:func:`dequantize` of :func:`packed_bytes` in core ATen float ops, bit-identical to it: the
+    same unpacked values, then the same two roundings (w·scale, then + bias). Shapes are checked
+    by the exporter, which calls :func:`dequantize` on the same tensors first."""
+    dtype = scales.dtype if dtype is None else dtype
+    rows, in_f = wb.shape[0], wb.shape[1] * 8 // spec.bits
+    w = _unpack_bytes_float(wb, spec.bits, dtype).view(rows, in_f // spec.group_size, -1)
+    w = w * scales.to(dtype).unsqueeze(-1)
+    w = w + biases.to(dtype).unsqueeze(-1)
+    return w.view(rows, in_f)

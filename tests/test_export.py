@@ -153,60 +153,6 @@ def test_runner_adamw_trains_like_the_engine(cases) -> None:  # type: ignore[no-
             torch.testing.assert_close(p, params[f"model.layers.{i}.{k}"], rtol=0, atol=1e-6)
 
 
-def _pte_rows(conf: dict) -> dict[str, dict]:  # type: ignore[type-arg]
-    fns = conf["functions"]
-    rows = {"embed": fns["embed"], "loss": fns["loss"]}
-    for gid, g in fns["blocks"].items():
-        rows.update({f"{gid}.{k}": g[k] for k in ("forward", "recompute", "backward")})
-    return rows
-
-
-def test_pte_without_executorch_records_why(tmp_path: Path) -> None:
-    """--pte where executorch is not installed: every program says so, no .pte is written,
-    and the .pt2 programs are unaffected."""
-    try:
-        import executorch  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("executorch is installed (see test_pte_lowering_reasons)")
-    model = model_with_adapter("llama")
-    conf = export_model(model, tmp_path / "art", ExportOptions(S, B, pte=True))
-    for name, row in _pte_rows(conf).items():
-        assert "pte" not in row and row["pte_error"] == "executorch is not installed", name
-        assert (tmp_path / "art" / row["pt2"]).is_file()
-    assert not list((tmp_path / "art").rglob("*.pte"))
-    assert (
-        json.loads((tmp_path / "art/run_config.json").read_text())["functions"] == conf["functions"]
-    )
-
-
-@pytest.mark.slow
-def test_pte_lowering_reasons(tmp_path: Path) -> None:
-    """With executorch (1.5.1 checked): on a dense model the embedding and the block forward
-    lower to .pte and the forward runs there like the .pt2; the block backward does not, and the
-    recorded reason names the CPU flash-attention backward; on a 4-bit model no block program
-    lowers and the reason names the nibble unpack's shift."""
-    pytest.importorskip("executorch")
-    dense = export_model(model_with_adapter("llama"), tmp_path / "d", ExportOptions(S, B, pte=True))
-    rows = _pte_rows(dense)
-    for name, row in rows.items():
-        assert ("pte" in row) != ("pte_error" in row), (name, row)
-        if "pte" in row:
-            assert (tmp_path / "d" / row["pte"]).stat().st_size > 0
-    assert "pte" in rows["embed"], rows["embed"]
-    for gid in dense["functions"]["blocks"]:
-        assert "pte" in rows[f"{gid}.forward"], rows[f"{gid}.forward"]
-        why = rows[f"{gid}.backward"].get("pte_error", "")
-        assert "flash_attention_for_cpu_backward" in why, why
-    quant = model_with_adapter("qwen2", QuantSpec(4, 32))
-    q = export_model(quant, tmp_path / "q", ExportOptions(S, B, pte=True))
-    for gid in q["functions"]["blocks"]:
-        for k in ("forward", "recompute", "backward"):
-            why = q["functions"]["blocks"][gid][k].get("pte_error", "")
-            assert "rshift" in why, (gid, k, why)
-
-
 def test_runner_runs_without_the_mesp_package(cases, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A copy of runner.py, python -S (no site, so no editable-install hook), a clean cwd and a
     sys.path of that copy + site-packages only: `import mesp` must fail, training must not."""

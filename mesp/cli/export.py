@@ -35,13 +35,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "run-artifacts", help="train LoRA from `mesp export` artifacts (no model code)"
     )
     runner.add_arguments(r)
+    r.add_argument(
+        "--runtime",
+        choices=("auto", "torch", "python", "native"),
+        default="auto",
+        help="torch: the .pt2 programs; python: the .pte programs through executorch.runtime; "
+        "native: the C++ runner (scripts/build-ondevice); auto: python for an ExecuTorch "
+        "export, else torch (default: auto)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
     if ns.cmd == "run-artifacts":
-        from mesp.ondevice import runner
-
-        return runner.run_cli(ns)
+        return _run_artifacts(ns)
     if ns.cmd != "export":
         raise MespError(f"unknown command {ns.cmd!r}")
     from mesp.loading.session import ModelOptions, open_model
@@ -50,21 +56,46 @@ def run(ns: argparse.Namespace) -> int:
     from mesp.ondevice.report import memory_lines, memory_report
 
     opts = from_args(ExportOptions, ns)
+    if ns.memory_report and opts.executorch:
+        raise MespError("--memory-report measures the torch runner: not with --target executorch")
     loaded = open_model(from_args(ModelOptions, ns), seed=ns.seed)
     if ns.adapter:
         load_adapter(loaded.model, Path(ns.adapter))
     else:
         apply_lora(loaded.model, from_args(LoraConfig, ns), seed=ns.seed)
     conf = export_model(loaded.model, Path(ns.out), opts, base_name=loaded.source)
-    fns = conf["functions"]
-    progs = [fns["embed"], fns["loss"]] + [
-        g[k] for g in fns["blocks"].values() for k in ("forward", "recompute", "backward")
-    ]
-    line = f"exported {ns.out}: {len(conf['blocks'])} blocks, {len(progs)} programs"
-    if opts.pte:
-        line += f", {sum('pte' in p for p in progs)} lowered to .pte"
+    line = f"exported {ns.out}: {len(conf['blocks'])} blocks"
+    if "executorch" in conf:
+        et = conf["executorch"]
+        line += (
+            f", {len(et['programs'])} ExecuTorch programs ({et['backend']}; largest planned "
+            f"memory {et['planned_bytes_max'] / 2**20:.1f} MiB)"
+        )
+    else:
+        fns = conf["functions"]
+        n = 2 + 3 * len(fns["blocks"])  # embed, loss, and forward/recompute/backward per group
+        line += f", {n} torch.export programs"
     print(f"{line}; export id {conf['export_id']}", flush=True)
     if ns.memory_report:
         for row in memory_lines(memory_report(loaded.model, Path(ns.out), opts, ns.seed)):
             print(row, flush=True)
     return 0
+
+
+def _run_artifacts(ns: argparse.Namespace) -> int:
+    from mesp.ondevice import runner
+
+    runtime = ns.runtime
+    if runtime == "auto":
+        conf = Path(ns.artifacts) / "run_config.json"
+        et = conf.is_file() and '"executorch"' in conf.read_text(errors="replace")
+        runtime = "python" if et else "torch"
+    if runtime == "native":
+        from mesp.ondevice import native
+
+        return native.run(ns)
+    if runtime == "python":
+        from mesp.ondevice import et_driver
+
+        return runner.run_cli(ns, et_driver.train)
+    return runner.run_cli(ns)

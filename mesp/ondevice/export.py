@@ -12,21 +12,11 @@ Fixed at export: batch size and sequence length (the runner pads shorter rows; t
 alone takes a dynamic number of trained rows, at most batch × seq). Not exported: MeSP's "store h"
 ablation (h = x Aᵀ is always recomputed) and gradient accumulation.
 
-ExecuTorch (`--pte`; needs the `executorch` package, not a dependency: 1.5.1 installs beside torch
-2.13.0 without replacing it). Each program goes through the portable flow (no delegate); a .pte is
-written where that succeeds and run_config.json records, per program, the .pte or why not. With
-executorch 1.5.1, for a dense (unquantized) model: the embedding and the block forward lower and
-run in the ExecuTorch runtime (the forward within 3e-7 of the .pt2: attention is decomposed to
-plain math there, so the S×S scores exist). A training step does not:
-  - the loss lowers but fails at run time (squeeze_copy: "input tensors have different dim
-    orders");
-  - the recompute lowers, but its lse output comes back (B, H, S, S) instead of (B, H, S)
-    (the decomposition of aten._scaled_dot_product_flash_attention_for_cpu);
-  - the block backward does not: aten._scaled_dot_product_flash_attention_for_cpu_backward is
-    not in core ATen and has neither a decomposition nor a portable kernel;
-  - no 4-bit program does: the nibble unpack's `>>` (aten.__rshift__.Scalar) is not core ATen.
-The way there: .pte variants built on a core-ATen attention (mesp.ops.attention's exact chunked
-path) and a shift-free unpack, and an ExecuTorch backend in the runner.
+ExecuTorch (`--target executorch`, or `--pte`; needs the `executorch` package, not a dependency:
+1.5.1 installs beside torch 2.13.0 without replacing it): every program of a step is also lowered
+to a .pte, with the edge formulations (core-ATen 4-bit unpack, query-tiled attention) and the
+XNNPACK delegate, for the native runner (runtime/) and the Python driver (mesp.ondevice.et_driver).
+See mesp.ondevice.export_et.
 """
 
 from __future__ import annotations
@@ -68,6 +58,7 @@ ST_DTYPES = {
     torch.float16: "F16",
     torch.float64: "F64",
     torch.int32: "I32",
+    torch.uint8: "U8",
     torch.int64: "I64",
     torch.bool: "BOOL",
 }
@@ -80,14 +71,37 @@ class ExportOptions:
     vocab_chunk: int = field(
         default=8192, metadata={"help": "loss: head slice rows (the engine's default)"}
     )
-    pte: bool = field(default=False, metadata={"help": "also lower to ExecuTorch .pte"})
+    target: str = field(
+        default="torch",
+        metadata={
+            "help": "torch: .pt2 programs for the torch runner; executorch: .pte programs for "
+            "the native runner and the ExecuTorch driver",
+            "choices": ("torch", "executorch"),
+        },
+    )
+    pte: bool = field(default=False, metadata={"help": "same as --target executorch"})
+    attn_tile: int = field(
+        default=64,
+        metadata={"help": "ExecuTorch attention: query rows per tile (scores are tile × seq)"},
+    )
+    portable: bool = field(
+        default=False, metadata={"help": "ExecuTorch: portable kernels only, no XNNPACK delegate"}
+    )
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "vocab_chunk"):
+        for name in ("seq_len", "batch_size", "vocab_chunk", "attn_tile"):
             if getattr(self, name) < 1:
                 raise MespError(f"--{name.replace('_', '-')} must be positive")
         if self.seq_len < 2:
             raise MespError("--seq-len must be at least 2")
+        if self.target not in ("torch", "executorch"):
+            raise MespError(f"--target must be torch or executorch, got {self.target!r}")
+        if self.pte:
+            self.target = "executorch"
+
+    @property
+    def executorch(self) -> bool:
+        return self.target == "executorch"
 
 
 def _table(tensors: dict[str, Tensor]) -> dict[str, Any]:
@@ -180,19 +194,6 @@ def _export(module: torch.nn.Module, args: tuple, dynamic: Any = None) -> Any:
         raise MespError(f"torch.export failed for {type(module).__name__}: {first}") from e
 
 
-def _lower_pte(ep: Any) -> tuple[bytes | None, str | None]:
-    """(.pte bytes, None) or (None, why not): the portable ExecuTorch flow, no delegate."""
-    try:
-        from executorch.exir import to_edge_transform_and_lower
-    except ImportError:
-        return None, "executorch is not installed"
-    try:
-        return to_edge_transform_and_lower(ep).to_executorch().buffer, None
-    except Exception as e:  # lowering failures come as many exception types
-        msg = " ".join(str(e).split())[:300] or type(e).__name__
-        return None, f"{type(e).__name__}: {msg}"
-
-
 def _blocks(model: CausalLM, ctx: dict[str, dict[str, Tensor]]) -> tuple[dict, list, dict]:
     """Per block: its weights file and table; blocks of identical structure share programs.
     -> (structure -> (program id, first block), block rows for the config, files)."""
@@ -246,6 +247,13 @@ def export_model(
     ctx = _ctx(model, S)
     groups, block_rows, files = _blocks(model, ctx)
     es, embed_w, head_w = _edges(model, opts.vocab_chunk)
+    if opts.executorch:  # packed words as bytes, the form the edge programs read
+        from mesp.ondevice.export_et import edge_weights
+
+        files = {rel: edge_weights(t) for rel, t in files.items()}
+        for row in block_rows:
+            row["tensors"] = _table(files[row["file"]])
+        embed_w, head_w = edge_weights(embed_w), edge_weights(head_w)
     lora_init = {
         f"{PEFT_PREFIX}model.layers.{i}.{n}.weight": p.detach().contiguous()
         for i, block in enumerate(model.layers)
@@ -297,9 +305,26 @@ def export_model(
     try:
         for rel, t in files.items():
             save_file(t, str(writer.path(rel)), metadata={"export_id": eid})
-        conf["functions"] = _export_functions(
-            model, groups, ctx, es, embed_w, head_w, opts, writer, eid
-        )
+        if opts.executorch:
+            from mesp.ondevice.export_et import export_executorch
+
+            conf["executorch"] = export_executorch(
+                model,
+                groups,
+                ctx,
+                es,
+                embed_w,
+                head_w,
+                S,
+                B,
+                opts.attn_tile,
+                writer,
+                delegate=not opts.portable,
+            )
+        else:
+            conf["functions"] = _export_functions(
+                model, groups, ctx, es, embed_w, head_w, opts, writer, eid
+            )
         writer.path("run_config.json").write_text(json.dumps(conf, indent=1) + "\n")
         writer.commit()
     except BaseException:
@@ -324,24 +349,14 @@ def _check_no_constants(ep: Any, rel: str) -> None:
         raise MespError(f"{rel}: the program captured tensors as constants: {sorted(baked)[:3]}")
 
 
-def _save_program(ep: Any, rel: str, writer: _Writer, eid: str, pte: bool) -> dict[str, Any]:
+def _save_program(ep: Any, rel: str, writer: _Writer, eid: str) -> dict[str, Any]:
     """The .pt2 holds the graph (JSON) and no tensor: the example inputs torch.export keeps
     (they include the frozen weights it was traced with) would be saved as a torch.save pickle,
     data/sample_inputs/model.pt, and loaded back with torch.load; they are dropped first."""
     _check_no_constants(ep, rel)
     ep.example_inputs = None
     torch.export.save(ep, str(writer.path(rel)), extra_files={"export_id": eid})
-    row: dict[str, Any] = {"pt2": rel}
-    if pte:
-        buf, why = _lower_pte(ep)
-        if buf is not None:
-            pte_rel = rel.removesuffix(".pt2") + ".pte"
-            writer.path(pte_rel).write_bytes(buf)
-            row["pte"] = pte_rel
-        else:
-            row["pte_error"] = why
-            log.warning("%s: not lowered to .pte: %s", rel, why)
-    return row
+    return {"pt2": rel}
 
 
 def _export_functions(
@@ -374,14 +389,11 @@ def _export_functions(
         fns["blocks"][gid] = {
             "layer_type": ltype,
             "inputs": names,
-            **{
-                k: _save_program(p, f"fns/{gid}_{k}.pt2", writer, eid, opts.pte)
-                for k, p in progs.items()
-            },
+            **{k: _save_program(p, f"fns/{gid}_{k}.pt2", writer, eid) for k, p in progs.items()},
         }
     ids = torch.zeros(B, S, dtype=torch.long)
     ep = _export(Embed(es), (embed_w, ids))
-    fns["embed"] = _save_program(ep, "fns/embed.pt2", writer, eid, opts.pte)
+    fns["embed"] = _save_program(ep, "fns/embed.pt2", writer, eid)
     fns["embed"]["inputs"] = {"weights": list(embed_w)}
     n = min(B * S, 3)  # trained rows vary per batch: a dynamic dimension, 1 ≤ n ≤ B·S
     rows = torch.arange(n)
@@ -391,7 +403,7 @@ def _export_functions(
     loss_w = head_w if es.head.prefix == "lm_head" else {**head_w, **embed_w}  # tied: the embedding
     dyn = ({k: None for k in loss_w}, None, {0: dim}, {0: dim}, None)
     ep = _export(LossAndGrad(es), (loss_w, x, rows, tgt, norm), dyn)
-    fns["loss"] = _save_program(ep, "fns/loss.pt2", writer, eid, opts.pte)
+    fns["loss"] = _save_program(ep, "fns/loss.pt2", writer, eid)
     fns["loss"]["inputs"] = {"weights": list(loss_w)}
     return fns
 

@@ -15,6 +15,7 @@ to tensors:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from mesp.ops.lora_linear import lora_linear_backward
 from mesp.ops.mlp import gated_act, gated_act_backward
 from mesp.ops.norm import rms_norm, rms_norm_backward
 from mesp.ops.rope import apply_rope, apply_rope_backward
-from mesp.quant import QuantSpec, dequantize
+from mesp.quant import QuantSpec, dequantize, dequantize_core_aten
 
 Tensors = dict[str, Tensor]
 PARENT = {
@@ -50,6 +51,11 @@ class WeightSpec:
     quant: QuantSpec | None
     bias: bool = False
     lora_scale: float | None = None  # None: no adapter on this linear
+    core_aten: bool = False  # unpack with core ATen ops only (edge runtimes: no `>>`)
+
+
+def _dequant(ws: WeightSpec) -> Callable[..., Tensor]:
+    return dequantize_core_aten if ws.core_aten else dequantize
 
 
 def dense(w: Tensors, ws: WeightSpec, dtype: torch.dtype | None) -> Tensor:
@@ -57,7 +63,7 @@ def dense(w: Tensors, ws: WeightSpec, dtype: torch.dtype | None) -> Tensor:
     p = ws.prefix
     if ws.quant is None:
         return w[f"{p}.weight"] if dtype is None else w[f"{p}.weight"].to(dtype)
-    return dequantize(w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"], ws.quant, dtype)
+    return _dequant(ws)(w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"], ws.quant, dtype)
 
 
 def rows(w: Tensors, ws: WeightSpec, start: int, stop: int, dtype: torch.dtype) -> Tensor:
@@ -66,7 +72,7 @@ def rows(w: Tensors, ws: WeightSpec, start: int, stop: int, dtype: torch.dtype) 
     if ws.quant is None:
         return w[f"{p}.weight"][start:stop]
     sl = [w[f"{p}.{k}"][start:stop] for k in ("weight", "scales", "biases")]
-    return dequantize(sl[0], sl[1], sl[2], ws.quant, dtype)
+    return _dequant(ws)(sl[0], sl[1], sl[2], ws.quant, dtype)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,9 @@ class BlockSpec:
     qk_norm: bool
     masked: bool  # ctx carries an explicit (sliding-window) mask; else plain causal
     linears: tuple[tuple[str, WeightSpec], ...]  # ("q_proj", spec) for the 7 projections
+    # None: the engine's attention kernels. A tile size: the exact query-tiled core-ATen path
+    # (mesp.ops.attention's chunked impl), at most (tile × S) scores per head at a time.
+    attn_tile: int | None = None
 
     def lin(self, name: str) -> WeightSpec:
         return dict(self.linears)[name]
@@ -146,9 +155,12 @@ def block_forward(
             tape["q_lin"], tape["k_lin"] = q, k
         q, k = _norm(bs, q, w, "self_attn.q_norm"), _norm(bs, k, w, "self_attn.k_norm")
     q, k = apply_rope(q, ctx["cos"], ctx["sin"]), apply_rope(k, ctx["cos"], ctx["sin"])
+    tiled = {} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}
     if tape is not None:
-        o, tape["lse"] = attention_fwd(q, k, v, bs.attn_scale, mask)
+        o, tape["lse"] = attention_fwd(q, k, v, bs.attn_scale, mask, **tiled)
         tape.update(q=q, k=k, v=v, o=o)
+    elif tiled:
+        o = attention_fwd(q, k, v, bs.attn_scale, mask, **tiled)[0]
     else:
         o = attention(q, k, v, bs.attn_scale, mask)
     a = _linear(bs, "o_proj", o.transpose(1, 2).reshape(b, s, bs.n_heads * bs.head_dim), w, lora)
@@ -224,6 +236,7 @@ def block_backward(
         saved.pop("lse"),
         bs.attn_scale,
         ctx.get("mask"),
+        **({} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}),
     )
     del do, o
     dq = apply_rope_backward(dq, ctx["cos"], ctx["sin"])
@@ -275,7 +288,7 @@ def embed(es: EdgeSpec, w: Tensors, ids: Tensor) -> Tensor:
     else:
         flat = ids.reshape(-1)
         sel = [w[f"{p}.{k}"].index_select(0, flat) for k in ("weight", "scales", "biases")]
-        h = dequantize(sel[0], sel[1], sel[2], es.embed.quant, None)
+        h = _dequant(es.embed)(sel[0], sel[1], sel[2], es.embed.quant, None)
         h = h.view(*ids.shape, h.shape[-1])
     h = h.to(es.dtype)
     if es.embed_scale is not None:
@@ -302,7 +315,7 @@ def gather(w: Tensors, ws: WeightSpec, ids: Tensor) -> Tensor:
     if ws.quant is None:
         return F.embedding(ids, w[f"{p}.weight"])
     sel = [w[f"{p}.{k}"].index_select(0, ids) for k in ("weight", "scales", "biases")]
-    return dequantize(sel[0], sel[1], sel[2], ws.quant, None)
+    return _dequant(ws)(sel[0], sel[1], sel[2], ws.quant, None)
 
 
 def _sliced_head(

@@ -128,6 +128,8 @@ class Artifacts:
         return ep.module()
 
     def _program_rows(self) -> dict[str, dict[str, Any]]:
+        if "functions" not in self.conf:  # an ExecuTorch-only export: .pte programs
+            return {}
         fns = self.conf["functions"]
         rows = {"embed": fns["embed"], "loss": fns["loss"]}
         for gid, g in fns["blocks"].items():
@@ -279,6 +281,11 @@ class Trainer:
 
     def __init__(self, art: Artifacts, init: Tensors) -> None:
         self.art, conf = art, art.conf
+        if "functions" not in conf:
+            raise RunnerError(
+                f"{art.root}: an ExecuTorch export (no .pt2 programs): run it with "
+                "--runtime python or --runtime native"
+            )
         art.load_programs()
         fns = conf["functions"]
         self.blocks = conf["blocks"]
@@ -448,7 +455,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="print only the summary")
 
 
-def run(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, train_fn: Callable[..., Any] | None = None) -> int:
+    """Check the flags, artifacts and rows, train with `train_fn` (default: the .pt2 programs'
+    `train`; mesp.ondevice.et_driver passes its own), save the adapter."""
     if ns.steps < 1 or not (ns.lr > 0 and math.isfinite(ns.lr)):
         raise RunnerError("--steps and --lr must be positive")
     out = Path(ns.out)
@@ -458,13 +467,17 @@ def run(ns: argparse.Namespace) -> int:
     art = Artifacts(Path(ns.artifacts))
     rows = read_rows(Path(ns.data), art.seq_len, art.vocab)
 
+    last = [time.perf_counter()]
+
     def log(k: int, loss: float | None) -> None:
+        now = time.perf_counter()
         if not ns.quiet:
             shown = "skipped (no trained token)" if loss is None else f"{loss:.6f}"
-            print(f"step {k} loss {shown}", flush=True)
+            print(f"step {k} loss {shown} time {now - last[0]:.3f}s{_rss_note()}", flush=True)
+        last[0] = now
 
     cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay)
-    trainer, _ = train(art, rows, cfg, log)
+    trainer, _ = (train_fn or train)(art, rows, cfg, log)
     save_adapter(trainer, out)
     print(
         f"saved {out} after {ns.steps} steps in {time.perf_counter() - t0:.1f}s; frozen weights "
@@ -474,10 +487,26 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def run_cli(ns: argparse.Namespace) -> int:
+def _rss_note() -> str:
+    """' peak_rss X MiB anon Y MiB' from /proc/self/status where there is one (Linux)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return ""
+    kb = {
+        k: int(v.split()[0])
+        for k, _, v in (line.partition(":") for line in text.splitlines())
+        if k in ("VmHWM", "RssAnon")
+    }
+    if len(kb) < 2:
+        return ""
+    return f" peak_rss {kb['VmHWM'] / 1024:.1f}MiB anon {kb['RssAnon'] / 1024:.1f}MiB"
+
+
+def run_cli(ns: argparse.Namespace, train_fn: Callable[..., Any] | None = None) -> int:
     """run(ns) with errors as one line and exit code 2 (130 when interrupted)."""
     try:
-        return run(ns)
+        return run(ns, train_fn)
     except RunnerError as e:
         print(f"mesp-runner: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,188 @@
+"""The Python driver of `mesp export --target executorch` programs, through `executorch.runtime`.
+
+The reference for the native runner (runtime/): the same .pte files, the same inputs by name
+(run_config.json "executorch"), the same loop as mesp.ondevice.runner's Trainer, and the optimizer
+update through the exported sgd / adamw programs, so that the two drivers differ only in who calls
+ExecuTorch. One step:
+  embed -> for each block: read its weights file, forward, drop the weights (keep the input)
+  -> loss program (trained rows only) -> for each block in reverse: read, recompute + hand
+  backward in one program, drop -> the update program on every adapter tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesp.ondevice.lower import fnv1a64
+from mesp.ondevice.runner import (
+    PEFT_PREFIX,
+    Artifacts,
+    RunConfig,
+    RunnerError,
+    batches,
+    make_batch,
+)
+from mesp.ondevice.steps import ADAMW_SCALARS, adamw_scalars
+
+Tensors = dict[str, torch.Tensor]
+
+
+class Programs:
+    """Every .pte of the export, checked (size, digest) and loaded once; `run(name, src)` feeds
+    a program its inputs by name and returns its outputs by name (copied out of its arena)."""
+
+    def __init__(self, art: Artifacts) -> None:
+        try:
+            from executorch.runtime import Runtime, Verification
+        except ImportError:
+            raise RunnerError(
+                "the ExecuTorch driver needs the executorch package (pip install "
+                "executorch==1.5.1 torchao==0.18.0); or run the native runner"
+            ) from None
+        et = art.conf.get("executorch")
+        if not isinstance(et, dict):
+            raise RunnerError(
+                f"{art.root}: no ExecuTorch programs (export with --target executorch)"
+            )
+        self.rows: dict[str, Any] = et["programs"]
+        rt = Runtime.get()
+        self._programs, self._methods = {}, {}
+        for name, row in self.rows.items():
+            p = art.root / row["pte"]
+            try:
+                data = p.read_bytes()
+            except OSError as e:
+                raise RunnerError(f"{p}: missing or unreadable ({e.strerror or e})") from None
+            if len(data) != row["size"]:
+                raise RunnerError(f"{p}: truncated or changed ({len(data)} of {row['size']} bytes)")
+            if fnv1a64(data) != row["fnv1a64"]:
+                raise RunnerError(f"{p}: not the program of this export (digest differs)")
+            try:
+                prog = rt.load_program(data, verification=Verification.Minimal)
+                self._methods[name] = prog.load_method(row["method"])
+            except Exception as e:  # the runtime raises RuntimeError/ValueError with codes
+                raise RunnerError(f"{p}: ExecuTorch refused it ({e})") from None
+            self._programs[name] = prog  # a Method does not keep its Program alive
+
+    def run(self, name: str, src: Callable[[str], torch.Tensor]) -> Tensors:
+        row = self.rows[name]
+        ins = [src(r["name"]).contiguous() for r in row["inputs"]]
+        outs = self._methods[name].execute(ins)
+        return {r["name"]: t.clone() for r, t in zip(row["outputs"], outs, strict=True)}
+
+
+class EtTrainer:
+    """Adapter tensors (per block, by key) and their optimizer state; the step and the update."""
+
+    def __init__(self, art: Artifacts, cfg: RunConfig) -> None:
+        self.art, self.cfg, conf = art, cfg, art.conf
+        self.progs = Programs(art)
+        init = art._read(conf["lora"]["init"])
+        self.blocks = conf["blocks"]
+        self.lora: list[Tensors] = []
+        for i, b in enumerate(self.blocks):
+            names = [
+                r["name"][5:]
+                for r in self.progs.rows[f"{b['fn']}.forward"]["inputs"]
+                if r["name"].startswith("lora/")
+            ]
+            self.lora.append(
+                {k: init[f"{PEFT_PREFIX}model.layers.{i}.{k}.weight"].clone() for k in names}
+            )
+        self.grads: list[Tensors] = [{} for _ in self.blocks]
+        self.m = [{k: torch.zeros_like(t) for k, t in d.items()} for d in self.lora]
+        self.v = [{k: torch.zeros_like(t) for k, t in d.items()} for d in self.lora]
+        self.t = 0
+
+    def _src(self, w: Tensors, i: int | None, extra: Tensors) -> Callable[[str], torch.Tensor]:
+        lt = None if i is None else self.blocks[i]["layer_type"]
+
+        def src(name: str) -> torch.Tensor:
+            kind, _, key = name.partition("/")
+            if kind == "weights":
+                return w[key]
+            if kind == "lora" and i is not None:
+                return self.lora[i][key]
+            if kind == "ctx":
+                return self.art.ctx[f"{lt}.{key}"]
+            return extra[name]
+
+        return src
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor) -> float | None:
+        n = int(mask.sum())
+        if n == 0:
+            return None
+        art, run = self.art, self.progs.run
+        h = run("embed", self._src(art.embed_w, None, {"ids": ids}))["h"]
+        xs = []
+        for i, b in enumerate(self.blocks):
+            xs.append(h)
+            with art.block(i) as w:
+                h = run(f"{b['fn']}.forward", self._src(w, i, {"x": h}))["y"]
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        extra = {"h": h, "rows": rows, "tgt": tgt.reshape(-1).index_select(0, rows)}
+        extra["norm"] = torch.tensor(float(n))
+        out = run("loss", self._src({**art.embed_w, **art.head_w}, None, extra))
+        loss_sum, g = float(out["loss"].sum(dtype=torch.float64)), out["dh"]
+        for i in range(len(self.blocks) - 1, -1, -1):
+            b = self.blocks[i]
+            with art.block(i) as w:
+                out = run(f"{b['fn']}.backward", self._src(w, i, {"x": xs.pop(), "dy": g}))
+            g = out.pop("dx")
+            self.grads[i] = {k[5:]: t for k, t in out.items()}
+        return loss_sum / n
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One optimizer step on every adapter tensor, through the exported update program."""
+        cfg, self.t = self.cfg, self.t + 1
+        one = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+        if cfg.optimizer == "sgd":
+            scal = {"lr": one(cfg.lr), "weight_decay": one(cfg.weight_decay)}
+        else:
+            s = adamw_scalars(cfg.lr, cfg.weight_decay, self.t)
+            scal = {k: one(s[k]) for k in ADAMW_SCALARS}
+        for i, d in enumerate(self.lora):
+            for k, p in d.items():
+                vec = {"p": p.reshape(-1), "g": self.grads[i][k].reshape(-1)}
+                if cfg.optimizer == "adamw":
+                    vec.update(m=self.m[i][k].reshape(-1), v=self.v[i][k].reshape(-1))
+                out = self.progs.run(cfg.optimizer, {**vec, **scal}.__getitem__)
+                d[k] = out["p"].view(p.shape)
+                if cfg.optimizer == "adamw":
+                    self.m[i][k], self.v[i][k] = out["m"].view(p.shape), out["v"].view(p.shape)
+        self.grads = [{} for _ in self.blocks]
+
+
+def train(
+    art: Artifacts,
+    rows: list[tuple[list[int], list[int]]],
+    cfg: RunConfig,
+    log: Callable[[int, float | None], None] | None = None,
+) -> tuple[EtTrainer, list[float | None]]:
+    trainer = EtTrainer(art, cfg)
+    data, losses = batches(rows, art.batch_size), []
+    for k in range(1, cfg.steps + 1):
+        loss = trainer.step(*make_batch(next(data), art.batch_size, art.seq_len))
+        if loss is not None:
+            if not math.isfinite(loss):
+                raise RunnerError(f"non-finite loss at step {k}; no adapter written (lower --lr?)")
+            trainer.update()
+        losses.append(loss)
+        if log is not None:
+            log(k, loss)
+    return trainer, losses
+
+
+def open_artifacts(root: Path) -> Artifacts:
+    return Artifacts(root)
+
+
+__all__ = ["EtTrainer", "Programs", "open_artifacts", "train"]

@@ -1,0 +1,143 @@
+"""The programs of one MeSP step for edge runtimes, with flat named inputs and outputs.
+
+An ExecuTorch program takes a flat list of tensors. Each program here is a function of one
+dict, name -> tensor, in the naming of the runner contract (run_config.json "executorch"):
+`weights/<key>` frozen tensors, `lora/<key>` adapter tensors, `ctx/<key>` RoPE tables and mask,
+and plain names for activations (`ids`, `x`, `dy`, `h`, `rows`, `tgt`, `norm`) and optimizer
+state (`p`, `g`, `m`, `v`). `Flat` turns one into an nn.Module of positional tensors in a fixed,
+recorded order, which is all a native runner needs to drive it.
+
+The block programs are mesp.ondevice.programs' block_forward / block_backward (themselves the
+engine's ops, op for op) with two edge formulations switched on by the spec: the core-ATen 4-bit
+unpack and the exact query-tiled attention. The backward program recomputes the forward's saved
+tensors itself (recompute + hand backward in one graph: the planner frees each saved tensor at its
+last use, where two programs would hold all of them as one program's outputs).
+
+The optimizer updates replay torch.optim's single-tensor CPU kernels (torch 2.13) in fp32:
+  SGD    p ← p + (−lr)·(g + wd·p)
+  AdamW  p ← p·(1 − lr·wd);  m ← m + (1 − β1)(g − m)  (lerp, weight < ½);
+         v ← v·β2 + ((1 − β2)·g)·g  (addcmul);  d ← √v / √(1 − β2ᵗ) + ε;
+         p ← p − (lr/(1 − β1ᵗ))·m / d  (addcdiv)
+with the step-dependent scalars computed by the host in double and passed as 0-d fp32 tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from mesp.ondevice.programs import BlockSpec, EdgeSpec, block_backward, block_forward, embed
+from mesp.ondevice.programs import loss_and_grad as _loss_and_grad
+
+Named = dict[str, Tensor]
+ADAMW_SCALARS = (
+    "decay",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "step_size",
+    "bc2_sqrt",
+    "eps",
+)
+BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which mesp train uses
+
+
+def _group(d: Named, prefix: str) -> Named:
+    n = len(prefix)
+    return {k[n:]: v for k, v in d.items() if k.startswith(prefix)}
+
+
+def embed_step(es: EdgeSpec) -> Callable[[Named], Named]:
+    def run(d: Named) -> Named:
+        return {"h": embed(es, _group(d, "weights/"), d["ids"])}
+
+    return run
+
+
+def forward_step(bs: BlockSpec) -> Callable[[Named], Named]:
+    """x -> y: the block forward, nothing saved (the runner keeps only x)."""
+
+    def run(d: Named) -> Named:
+        w, lora, ctx = _group(d, "weights/"), _group(d, "lora/"), _group(d, "ctx/")
+        return {"y": block_forward(bs, w, lora, d["x"], ctx, None)}
+
+    return run
+
+
+def backward_step(bs: BlockSpec, lora_names: list[str]) -> Callable[[Named], Named]:
+    """(x, dy) -> (dx, grad/<key>...): recompute the saved tensors from x, then hand backward."""
+
+    def run(d: Named) -> Named:
+        w, lora, ctx = _group(d, "weights/"), _group(d, "lora/"), _group(d, "ctx/")
+        tape: Named = {}
+        block_forward(bs, w, lora, d["x"], ctx, tape)
+        dx, grads = block_backward(bs, tape, d["dy"], d["x"], w, lora, ctx)
+        return {"dx": dx, **{f"grad/{k}": grads[k] for k in lora_names}}
+
+    return run
+
+
+def loss_step(es: EdgeSpec) -> Callable[[Named], Named]:
+    def run(d: Named) -> Named:
+        w = _group(d, "weights/")
+        loss, dh = _loss_and_grad(es, w, d["h"], d["rows"], d["tgt"], d["norm"])
+        return {"loss": loss, "dh": dh}
+
+    return run
+
+
+def sgd_step(d: Named) -> Named:
+    p = d["p"]
+    return {"p": p + torch.neg(d["lr"]) * (d["g"] + d["weight_decay"] * p)}
+
+
+def adamw_step(d: Named) -> Named:
+    p, g, m, v = d["p"] * d["decay"], d["g"], d["m"], d["v"]
+    m = m + d["one_minus_beta1"] * (g - m)
+    v = v * d["beta2"] + (d["one_minus_beta2"] * g) * g
+    denom = torch.sqrt(v) / d["bc2_sqrt"] + d["eps"]
+    return {"p": p - (d["step_size"] * m) / denom, "m": m, "v": v}
+
+
+def adamw_scalars(lr: float, weight_decay: float, t: int) -> dict[str, float]:
+    """The host side of AdamW step t (1-based), in double as torch.optim computes them."""
+    b1, b2 = BETAS
+    return {
+        "decay": 1 - lr * weight_decay,
+        "one_minus_beta1": 1 - b1,
+        "beta2": b2,
+        "one_minus_beta2": 1 - b2,
+        "step_size": lr / (1 - b1**t),
+        "bc2_sqrt": (1 - b2**t) ** 0.5,
+        "eps": EPS,
+    }
+
+
+class Flat(nn.Module):
+    """fn(dict) -> dict as a module of positional tensors: inputs in `in_names` order, outputs
+    as a tuple in `out_names` order (both recorded in run_config.json)."""
+
+    def __init__(
+        self, fn: Callable[[Named], Named], in_names: list[str], out_names: list[str]
+    ) -> None:
+        super().__init__()
+        self.fn, self.in_names, self.out_names = fn, list(in_names), list(out_names)
+
+    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        out = self.fn(dict(zip(self.in_names, tensors, strict=True)))
+        return tuple(out[k] for k in self.out_names)
+
+
+__all__ = [
+    "ADAMW_SCALARS",
+    "Flat",
+    "adamw_scalars",
+    "adamw_step",
+    "backward_step",
+    "embed_step",
+    "forward_step",
+    "loss_step",
+    "sgd_step",
+]

@@ -1,0 +1,248 @@
+"""`mesp export --target executorch`: every program of a MeSP step on ExecuTorch, exact.
+
+On tiny models of all four families, 4-bit and unquantized: 20 steps through the .pte programs
+(the Python driver, executorch.runtime; and the native runner where it is built) give the
+in-process engine's losses and adapters, with SGD and AdamW. Beside it, one test per silent trap
+of executorch 1.5.1 (FACTS.md): addmm's added term, tanh-GELU, planned copies of the inputs, and
+the query-tiled attention that keeps MeSP's memory discipline. Lowering a block takes tens of
+seconds, so exports are shared per module and only the paper's configuration (Qwen2, 4-bit)
+runs in the fast suite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mesp.ondevice import et_driver, runner
+from mesp.ondevice.export import ExportOptions, export_model
+from mesp.ondevice.lower import fnv1a64, lower
+from mesp.ondevice.steps import Flat
+from mesp.quant import QuantSpec
+from tests import test_export as T
+
+pytest.importorskip("executorch")
+
+S, B, TILE, STEPS = T.S, T.B, 4, 20  # S = 12: three query tiles
+LR = {"sgd": T.LR, "adamw": 2e-3}
+TOL = {"sgd": 1e-5, "adamw": 1e-4}  # the issue's bounds; measured: ~3e-7 for both
+CASES = [(f, q) for f in T.CASES for q in ("q4", "dense")]
+FAST = {("qwen2", "q4")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class _EtCase:
+    def __init__(self, family: str, quant: str, root: Path) -> None:
+        self.family = family
+        self.vchunk = T.CASES[family][1] or 8192
+        q = QuantSpec(4, 32) if quant == "q4" else None
+        self.model = T.model_with_adapter(family, q)
+        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.dir = root / f"et_{family}_{quant}"
+        opts = ExportOptions(S, B, self.vchunk, target="executorch", attn_tile=TILE)
+        self.conf = export_model(self.model, self.dir, opts)
+        self.art = runner.Artifacts(self.dir)
+
+    def reset(self) -> None:
+        T._Case.reset(self)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def et_cases(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root, made = tmp_path_factory.mktemp("et"), {}
+
+    def get(family: str, quant: str) -> _EtCase:
+        if (family, quant) not in made:
+            made[family, quant] = _EtCase(family, quant, root)
+        return made[family, quant]
+
+    return get
+
+
+def _params(case: _EtCase) -> dict[str, torch.Tensor]:
+    return dict(case.model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "family,quant",
+    [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow) for c in CASES],
+)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_executorch_trains_like_the_engine(et_cases, family: str, quant: str, opt: str) -> None:  # type: ignore[no-untyped-def]
+    case, rows = et_cases(family, quant), T._rows()
+    trainer, losses = et_driver.train(case.art, rows, runner.RunConfig(STEPS, LR[opt], opt))
+    ref = T._engine_run(case, rows, STEPS, adamw_lr=None if opt == "sgd" else LR[opt])  # type: ignore[arg-type]
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= TOL[opt], (losses, ref)
+    assert losses[-1] < losses[0]
+    params = _params(case)
+    for i, lora in enumerate(trainer.lora):
+        for k, p in lora.items():
+            torch.testing.assert_close(
+                p, params[f"model.layers.{i}.{k}"], rtol=0, atol=TOL[opt] / 10
+            )
+
+
+def test_every_program_is_delegated_and_recorded(et_cases) -> None:  # type: ignore[no-untyped-def]
+    """run_config.json lists each program with its file's size and digest, its planned memory
+    and its inputs in order; the block and loss programs run their matmuls on XNNPACK."""
+    case = et_cases("qwen2", "q4")
+    conf = json.loads((case.dir / "run_config.json").read_text())
+    progs = conf["executorch"]["programs"]
+    gids = {b["fn"] for b in conf["blocks"]}
+    want = {"embed", "loss", "sgd", "adamw"} | {
+        f"{g}.{k}" for g in gids for k in ("forward", "backward")
+    }
+    assert set(progs) == want
+    for name, row in progs.items():
+        data = (case.dir / row["pte"]).read_bytes()
+        assert len(data) == row["size"] and fnv1a64(data) == row["fnv1a64"], name
+        assert sum(row["planned_bytes"]) > 0, name
+    for g in gids:
+        assert progs[f"{g}.forward"]["delegate_calls"] > 0
+        names = [r["name"] for r in progs[f"{g}.backward"]["inputs"]]
+        assert names[-2:] == ["x", "dy"] and any(n.startswith("weights/") for n in names)
+    assert not list(case.dir.rglob("*.pt2"))  # an ExecuTorch export carries no torch programs
+
+
+def test_frozen_weights_are_inputs_never_planned() -> None:
+    """ExecuTorch's planner copies graph inputs into its arena unless told not to: a program
+    reading a 1 MiB weight to make a 2 KiB output plans kilobytes, not the weight."""
+    x, w = torch.randn(1, 512), torch.randn(512, 512)
+
+    def fn(d):  # type: ignore[no-untyped-def]
+        return {"y": d["x"] @ d["w"]}
+
+    low = lower(Flat(fn, ["x", "w"], ["y"]), [x, w], {})
+    assert sum(low.planned) < w.nbytes // 16, low.planned
+    (y,) = _run_pte(low.pte, [x, w])
+    torch.testing.assert_close(y, x @ w)
+
+
+def _run_pte(pte: bytes, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    from executorch.runtime import Runtime
+
+    prog = Runtime.get().load_program(pte)
+    return list(prog.load_method("forward").execute(args))
+
+
+def test_addmm_keeps_its_added_term() -> None:
+    """XNNPACK drops the 2-D added term of addmm when weights are inputs: the lowering
+    decomposes addmm first, so C + A·B (and alpha/beta) come out right on the delegate."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(*s, generator=g) for s in ((8, 16), (16, 24), (8, 24)))
+
+    def fn(d):  # type: ignore[no-untyped-def]
+        return {"y": torch.addmm(d["c"], d["a"], d["b"], beta=0.5, alpha=2.0)}
+
+    low = lower(Flat(fn, ["c", "a", "b"], ["y"]), [c, a, b], {})
+    assert low.delegated >= 1
+    (y,) = _run_pte(low.pte, [c, a, b])
+    torch.testing.assert_close(y, 0.5 * c + 2.0 * (a @ b), rtol=1e-5, atol=1e-5)
+
+
+def test_tanh_gelu_stays_exact() -> None:
+    """XNNPACK computes gelu(approximate='tanh') as the erf form (4.7e-4 off): GELU is kept out
+    of the delegate, so Gemma 3's GeGLU gets tanh-GELU."""
+    x = torch.linspace(-4, 4, 513).reshape(1, -1)
+    w = torch.randn(513, 64, generator=torch.Generator().manual_seed(1))
+
+    def fn(d):  # type: ignore[no-untyped-def]
+        return {"y": F.gelu(d["x"] @ d["w"], approximate="tanh")}
+
+    low = lower(Flat(fn, ["x", "w"], ["y"]), [x, w], {})
+    (y,) = _run_pte(low.pte, [x, w])
+    ref = F.gelu(x @ w, approximate="tanh")
+    assert float((y - ref).abs().max()) < 1e-5
+    assert float((F.gelu(x @ w) - ref).abs().max()) > 1e-4  # the erf form would be caught
+
+
+def test_attention_backward_holds_one_query_tile(et_cases) -> None:  # type: ignore[no-untyped-def]
+    """No per-head (S × S) score matrix exists in the block backward: scores come in tiles of
+    TILE query rows (at most TILE × S per head)."""
+    from mesp.ondevice.export import _block_parts, _blocks, _ctx
+    from mesp.ondevice.export_et import edge_block_spec, edge_weights
+    from mesp.ondevice.steps import backward_step
+
+    case = et_cases("qwen2", "q4")
+    ctx = _ctx(case.model, S)
+    groups, _, _ = _blocks(case.model, ctx)
+    (bs, lt, *_), (_, i) = next(iter(groups.items()))
+    assert bs.head_dim != S
+    w, lora = _block_parts(case.model.layers[i])
+    named = {
+        **{f"weights/{k}": v for k, v in edge_weights(w).items()},
+        **{f"lora/{k}": v for k, v in lora.items()},
+        **{f"ctx/{k}": v for k, v in ctx[lt].items()},
+        "x": torch.randn(B, S, case.model.config.hidden_size),
+        "dy": torch.randn(B, S, case.model.config.hidden_size),
+    }
+    prog = Flat(backward_step(edge_block_spec(bs, TILE), list(lora)), list(named), ["dx"])
+    ep = torch.export.export(prog, tuple(named.values()), strict=False)
+    shapes = [
+        tuple(n.meta["val"].shape)
+        for n in ep.graph.nodes
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    assert any(len(s) >= 4 and s[-2:] == (TILE, S) for s in shapes)  # the last tile's scores
+    assert not [s for s in shapes if len(s) >= 3 and s[-2:] == (S, S)]
+
+
+def _fails(argv: list[str], capsys, name: str, out: Path) -> None:  # type: ignore[no-untyped-def]
+    from mesp.cli import main
+
+    assert main(["run-artifacts", *argv, "--runtime", "python"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and name in err, err
+    assert not out.exists()  # no partial adapter
+
+
+def test_bad_artifacts_one_line_exit_2(et_cases, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The Python driver refuses a truncated or foreign .pte, files of two exports, a missing
+    block file, malformed rows and a row longer than the exported sequence: one line, exit 2,
+    no adapter."""
+    import shutil
+
+    case = et_cases("qwen2", "q4")
+    data, out = T._write_jsonl(tmp_path / "d.jsonl", T._rows(2)), tmp_path / "adapter"
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(case.dir, tmp_path / name))
+
+    def argv(d: Path, data: Path = data) -> list[str]:
+        return [str(d), "--data", str(data), "--steps", "2", "--out", str(out)]
+
+    d = copy("truncated")
+    p = d / "pte/loss.pte"
+    p.write_bytes(p.read_bytes()[:-100])
+    _fails(argv(d), capsys, "truncated", out)
+
+    d = copy("foreign")  # another program of the same size would pass the size check only
+    (d / "pte/sgd.pte").write_bytes(bytes(case.conf["executorch"]["programs"]["sgd"]["size"]))
+    _fails(argv(d), capsys, "not the program of this export", out)
+
+    d = copy("missing")
+    (d / "blocks/block_001.safetensors").unlink()
+    _fails(argv(d), capsys, "block_001.safetensors", out)
+
+    d = copy("mixed")  # the config of another export: every file's export id disagrees
+    conf = json.loads((d / "run_config.json").read_text())
+    conf["export_id"] = "0" * 32
+    (d / "run_config.json").write_text(json.dumps(conf))
+    _fails(argv(d), capsys, "two exports", out)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, "x"]}\n')
+    _fails(argv(case.dir, bad), capsys, f"{bad}:2", out)
+    long = T._write_jsonl(tmp_path / "long.jsonl", [(list(range(S + 2)), [1] * (S + 2))])
+    _fails(argv(case.dir, long), capsys, f"{long}:1", out)
