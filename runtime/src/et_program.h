@@ -1,0 +1,50 @@
+// The ExecuTorch side of the runner: every program loaded once, its "forward" method bound to
+// ONE set of planned-memory arenas shared by all methods (they run one at a time), and a run()
+// that sets every input (as views over runner-owned or mapped memory) before each execute.
+// ExecuTorch headers stay inside et_program.cpp.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "artifacts.h"
+#include "tensor.h"
+
+namespace mesp {
+
+// A view of a tensor the runner owns (inputs) or the arena holds (outputs).
+struct TensorRef {
+  DType dtype = DType::F32;
+  Shape shape;  // the actual sizes (dynamic dims included)
+  void* data = nullptr;
+  size_t nbytes() const { return static_cast<size_t>(numel(shape)) * dtype_size(dtype); }
+};
+
+class Programs {
+ public:
+  Programs();
+  ~Programs();
+  Programs(const Programs&) = delete;
+  Programs& operator=(const Programs&) = delete;
+
+  // Loads every program of `art` and checks it against its spec (inputs, outputs, planned
+  // buffers); then allocates the shared arenas and loads the methods. Throws RunnerError.
+  void load(const Artifacts& art);
+
+  // Runs `name`: sets inputs[i] as input i (the spec's order), executes, returns the outputs
+  // (views into the arenas: valid until the next run; copy what you keep).
+  std::vector<TensorRef> run(const std::string& name, const std::vector<TensorRef>& inputs);
+
+  uint64_t planned_bytes() const;  // the arenas, in total
+
+  // --threads: resize ExecuTorch's shared thread pool (0 leaves the default).
+  static void set_threads(int n);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mesp

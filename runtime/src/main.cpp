@@ -1,0 +1,198 @@
+// mesp-runner: trains LoRA adapters from a `mesp export --target executorch` directory with the
+// ExecuTorch runtime alone (no Python, no libtorch). See runtime/README.md.
+//
+//   mesp-runner DIR --data ROWS.jsonl --steps N [--optimizer sgd|adamw] [--lr 1e-4]
+//               [--weight-decay 0] --out ADAPTER_DIR [--quiet] [--threads N] [--json-log FILE]
+//
+// Every error is one line on stderr, "mesp-runner: error: <what>", exit code 2, no adapter.
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <string>
+
+#include "artifacts.h"
+#include "data.h"
+#include "error.h"
+#include "et_program.h"
+#include "platform.h"
+#include "train.h"
+
+namespace mesp {
+namespace {
+
+const char* kUsage =
+    "usage: mesp-runner DIR --data ROWS.jsonl --steps N --out ADAPTER_DIR\n"
+    "                   [--optimizer sgd|adamw] [--lr 1e-4] [--weight-decay 0]\n"
+    "                   [--quiet] [--threads N] [--json-log FILE]\n"
+    "Trains LoRA adapters from a `mesp export --target executorch` directory.\n";
+
+struct Args {
+  std::string dir, data, out, json_log;
+  int64_t steps = -1;
+  OptimConfig opt;
+  bool quiet = false;
+  int threads = 0;
+};
+
+double parse_double(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  double d = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || errno == ERANGE)
+    throw RunnerError(flag + ": expected a number, got '" + v + "'");
+  return d;
+}
+
+int64_t parse_int(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  long long i = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || errno == ERANGE)
+    throw RunnerError(flag + ": expected an integer, got '" + v + "'");
+  return i;
+}
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  bool have_dir = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    if (arg == "-h" || arg == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (arg.size() < 2 || arg.compare(0, 2, "--") != 0) {
+      if (have_dir) throw RunnerError("unexpected argument '" + arg + "' (one DIR only)");
+      a.dir = arg;
+      have_dir = true;
+      continue;
+    }
+    size_t eq = arg.find('=');
+    bool inline_value = eq != std::string::npos;
+    if (inline_value) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    }
+    if (arg == "--quiet") {
+      if (inline_value) throw RunnerError("--quiet takes no value");
+      a.quiet = true;
+      continue;
+    }
+    static const char* kValued[] = {"--data", "--steps", "--optimizer", "--lr", "--weight-decay",
+                                    "--out", "--threads", "--json-log"};
+    bool known = false;
+    for (const char* k : kValued) known = known || arg == k;
+    if (!known) throw RunnerError("unknown flag " + arg + " (see --help)");
+    if (!inline_value) {
+      if (i + 1 >= argc) throw RunnerError(arg + " needs a value");
+      value = argv[++i];
+    }
+    if (arg == "--data") a.data = value;
+    else if (arg == "--out") a.out = value;
+    else if (arg == "--json-log") a.json_log = value;
+    else if (arg == "--steps") a.steps = parse_int(arg, value);
+    else if (arg == "--lr") a.opt.lr = parse_double(arg, value);
+    else if (arg == "--weight-decay") a.opt.weight_decay = parse_double(arg, value);
+    else if (arg == "--threads") a.threads = static_cast<int>(parse_int(arg, value));
+    else if (arg == "--optimizer") {
+      if (value != "sgd" && value != "adamw")
+        throw RunnerError("--optimizer must be sgd or adamw, not '" + value + "'");
+      a.opt.optimizer = value;
+    }
+  }
+  if (!have_dir) throw RunnerError("missing the artifact directory DIR (see --help)");
+  if (a.data.empty()) throw RunnerError("--data is required");
+  if (a.out.empty()) throw RunnerError("--out is required");
+  if (a.steps == -1) throw RunnerError("--steps is required");
+  if (a.steps < 1 || !(a.opt.lr > 0 && std::isfinite(a.opt.lr)))
+    throw RunnerError("--steps and --lr must be positive");
+  if (!(a.opt.weight_decay >= 0 && std::isfinite(a.opt.weight_decay)))
+    throw RunnerError("--weight-decay must be a finite number >= 0");
+  if (a.threads < 0 || a.threads > 1024) throw RunnerError("--threads must be between 0 and 1024");
+  return a;
+}
+
+double mib(uint64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+int run(int argc, char** argv) {
+  const double t0 = now_seconds();
+  Args a = parse_args(argc, argv);
+  if (file_size(a.out) >= 0) throw RunnerError(a.out + ": exists and is not a directory");
+
+  // Everything cheap first: config, file headers, hashes, data, program bindings.
+  Artifacts art = load_artifacts(a.dir);
+  std::vector<Row> rows = read_rows(a.data, art.seq_len, art.vocab);
+  Trainer trainer(art, a.opt);
+  std::FILE* log = nullptr;
+  if (!a.json_log.empty()) {
+    log = std::fopen(a.json_log.c_str(), "w");
+    if (log == nullptr) throw RunnerError(a.json_log + ": cannot write (" + std::strerror(errno) + ")");
+  }
+
+  Programs::set_threads(a.threads);
+  Programs programs;
+  programs.load(art);
+  trainer.prepare(programs);
+
+  for (int64_t k = 1; k <= a.steps; ++k) {
+    const double ts = now_seconds();
+    Batch batch = make_batch(rows, k, art.batch_size, art.seq_len);
+    std::optional<double> loss = trainer.step(batch, k);
+    const double dt = now_seconds() - ts;
+    const MemInfo m = mem_info();
+    if (!a.quiet) {
+      char shown[64];
+      if (loss) std::snprintf(shown, sizeof shown, "%.6f", *loss);
+      else std::snprintf(shown, sizeof shown, "skipped (no trained token)");
+      std::printf("step %lld loss %s time %.3fs peak_rss %.1fMiB anon %.1fMiB\n",
+                  static_cast<long long>(k), shown, dt, mib(m.peak_rss), mib(trainer.peak_anon()));
+      std::fflush(stdout);
+    }
+    if (log != nullptr) {
+      char shown[64];
+      if (loss) std::snprintf(shown, sizeof shown, "%.17g", *loss);
+      else std::snprintf(shown, sizeof shown, "null");
+      std::fprintf(log, "{\"step\": %lld, \"loss\": %s, \"time_s\": %.6f, \"peak_rss_bytes\": %llu, "
+                   "\"anon_bytes\": %llu}\n", static_cast<long long>(k), shown, dt,
+                   static_cast<unsigned long long>(m.peak_rss),
+                   static_cast<unsigned long long>(trainer.peak_anon()));
+      std::fflush(log);
+    }
+  }
+  trainer.save(a.out);
+  const MemInfo m = mem_info();
+  std::printf("saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB); planned memory %.1f MiB\n",
+              a.out.c_str(), static_cast<long long>(a.steps), now_seconds() - t0, mib(m.peak_rss),
+              mib(trainer.peak_anon()), mib(programs.planned_bytes()));
+  std::fflush(stdout);
+  if (log != nullptr) std::fclose(log);
+  return 0;
+}
+
+}  // namespace
+}  // namespace mesp
+
+// The one error line: control characters (a newline in a path or a log) become spaces.
+static int fail(const std::string& what) {
+  std::string line = what;
+  for (char& c : line)
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  std::fprintf(stderr, "mesp-runner: error: %s\n", line.c_str());
+  return 2;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return mesp::run(argc, argv);
+  } catch (const mesp::RunnerError& e) {
+    return fail(e.what());
+  } catch (const std::bad_alloc&) {
+    return fail("out of memory");
+  } catch (const std::exception& e) {
+    return fail(std::string("internal: ") + e.what());
+  }
+}

@@ -1,0 +1,56 @@
+// Every OS-specific call of the runner, behind one small interface (see platform_posix.cpp).
+// A port (Windows, a sandboxed mobile app) replaces that one file.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace mesp {
+
+// A read-only view of a whole file: mapped where the OS can, read into memory otherwise.
+// Move-only; the view is released in the destructor (or by release()).
+class FileView {
+ public:
+  FileView() = default;
+  ~FileView() { release(); }
+  FileView(FileView&& o) noexcept { *this = std::move(o); }
+  FileView& operator=(FileView&& o) noexcept;
+  FileView(const FileView&) = delete;
+  FileView& operator=(const FileView&) = delete;
+
+  // Opens `path`; on failure returns false and sets `why` (strerror text).
+  bool open(const std::string& path, std::string& why);
+  void release();
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  bool mapped_ = false;  // else data_ was allocated with new[]
+};
+
+// Reads `n` bytes at `offset` (used to read a safetensors header without mapping the data).
+bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& out,
+             std::string& why);
+// Size of a regular file, or -1 (not found / not a regular file).
+int64_t file_size(const std::string& path);
+bool is_dir(const std::string& path);
+// mkdir -p; false with `why` on failure.
+bool make_dirs(const std::string& path, std::string& why);
+// Writes `bytes` to a temp file beside `path`, fsyncs it, renames it over `path`, fsyncs the
+// directory: a crash leaves the old file or the new one, never half of one.
+bool write_atomic(const std::string& path, const std::string& bytes, std::string& why);
+
+// Memory of this process, in bytes: peak resident set (VmHWM) and current anonymous RSS.
+struct MemInfo {
+  uint64_t peak_rss = 0;
+  uint64_t rss_anon = 0;
+};
+MemInfo mem_info();
+
+// Seconds from a monotonic clock.
+double now_seconds();
+
+}  // namespace mesp

@@ -1,0 +1,200 @@
+// POSIX implementation of platform.h (Linux, Android, macOS, iOS). The only file of the runner
+// that includes OS headers. /proc/self/status exists on Linux and Android only; elsewhere the
+// memory numbers read 0.
+#include "platform.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <utility>
+
+namespace mesp {
+
+FileView& FileView::operator=(FileView&& o) noexcept {
+  if (this != &o) {
+    release();
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    mapped_ = std::exchange(o.mapped_, false);
+  }
+  return *this;
+}
+
+bool FileView::open(const std::string& path, std::string& why) {
+  release();
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    why = std::strerror(errno);
+    return false;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    why = "not a regular file";
+    ::close(fd);
+    return false;
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ == 0) {  // mmap refuses length 0; an empty view is fine
+    ::close(fd);
+    return true;
+  }
+  void* p = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  if (p != MAP_FAILED) {
+    data_ = static_cast<const uint8_t*>(p);
+    mapped_ = true;
+    ::close(fd);
+    return true;
+  }
+  // No mmap (some sandboxes): read the file instead.
+  uint8_t* buf = new uint8_t[size_];
+  size_t got = 0;
+  while (got < size_) {
+    ssize_t r = ::read(fd, buf + got, size_ - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      why = r < 0 ? std::strerror(errno) : "file shrank while reading";
+      delete[] buf;
+      ::close(fd);
+      size_ = 0;
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  data_ = buf;
+  return true;
+}
+
+void FileView::release() {
+  if (data_ != nullptr) {
+    if (mapped_)
+      munmap(const_cast<uint8_t*>(data_), size_);
+    else
+      delete[] data_;
+  }
+  data_ = nullptr;
+  size_ = 0;
+  mapped_ = false;
+}
+
+bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& out,
+             std::string& why) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    why = std::strerror(errno);
+    return false;
+  }
+  out.assign(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = pread(fd, &out[got], n - got, static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      why = r < 0 ? std::strerror(errno) : "unexpected end of file";
+      ::close(fd);
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  return true;
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return -1;
+  return static_cast<int64_t>(st.st_size);
+}
+
+bool is_dir(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool make_dirs(const std::string& path, std::string& why) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i < path.size() && path[i] != '/') continue;
+    std::string part = path.substr(0, i);
+    if (mkdir(part.c_str(), 0777) != 0 && errno != EEXIST) {
+      why = part + ": " + std::strerror(errno);
+      return false;
+    }
+  }
+  if (!is_dir(path)) {
+    why = path + ": not a directory";
+    return false;
+  }
+  return true;
+}
+
+static std::string parent_of(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+bool write_atomic(const std::string& path, const std::string& bytes, std::string& why) {
+  std::string dir = parent_of(path);
+  std::string base = path.substr(path.find_last_of('/') + 1);
+  std::string tmp = dir + "/." + base + ".XXXXXX";
+  int fd = mkstemp(&tmp[0]);
+  if (fd < 0) {
+    why = std::strerror(errno);
+    return false;
+  }
+  size_t put = 0;
+  while (put < bytes.size()) {
+    ssize_t w = ::write(fd, bytes.data() + put, bytes.size() - put);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      why = w < 0 ? std::strerror(errno) : "short write";
+      ::close(fd);
+      unlink(tmp.c_str());
+      return false;
+    }
+    put += static_cast<size_t>(w);
+  }
+  if (fsync(fd) != 0 || ::close(fd) != 0) {
+    why = std::strerror(errno);
+    unlink(tmp.c_str());
+    return false;
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    why = std::strerror(errno);
+    unlink(tmp.c_str());
+    return false;
+  }
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_CLOEXEC);
+  if (dfd >= 0) {  // the rename itself made durable
+    fsync(dfd);
+    ::close(dfd);
+  }
+  return true;
+}
+
+MemInfo mem_info() {
+  MemInfo m;
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    unsigned long long kb = 0;
+    if (std::sscanf(line.c_str(), "VmHWM: %llu kB", &kb) == 1) m.peak_rss = kb * 1024;
+    if (std::sscanf(line.c_str(), "RssAnon: %llu kB", &kb) == 1) m.rss_anon = kb * 1024;
+  }
+  return m;
+}
+
+double now_seconds() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double>(clock::now().time_since_epoch()).count();
+}
+
+}  // namespace mesp

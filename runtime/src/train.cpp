@@ -1,0 +1,316 @@
+#include "train.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "error.h"
+#include "platform.h"
+
+namespace mesp {
+
+namespace {
+const std::string kPeft = "base_model.model.model.layers.";
+
+bool starts(const std::string& s, const std::string& prefix, std::string* rest) {
+  if (s.compare(0, prefix.size(), prefix) != 0) return false;
+  *rest = s.substr(prefix.size());
+  return true;
+}
+
+// A program input accepts `r` when dtypes match and every dim equals the spec's (a dynamic dim:
+// at most the spec's upper bound).
+bool fits(const IoSpec& spec, const TensorRef& r) {
+  if (spec.dtype != r.dtype || spec.shape.size() != r.shape.size()) return false;
+  for (size_t d = 0; d < r.shape.size(); ++d) {
+    if (spec.is_dynamic(d) ? r.shape[d] > spec.shape[d] : r.shape[d] != spec.shape[d]) return false;
+  }
+  return true;
+}
+
+TensorRef ref(HostTensor& t) { return TensorRef{t.dtype, t.shape, t.buf.data()}; }
+TensorRef ref(DType t, Shape s, void* data = nullptr) { return TensorRef{t, std::move(s), data}; }
+
+// Copies a program output into a runner-owned tensor of the same size.
+void copy_out(const TensorRef& from, HostTensor& to, const std::string& what) {
+  if (from.dtype != to.dtype || from.nbytes() != to.nbytes())
+    throw RunnerError(what + " came back as " + dtype_name(from.dtype) + shape_str(from.shape) +
+                      ", expected " + dtype_name(to.dtype) + shape_str(to.shape));
+  if (to.nbytes() > 0) std::memmove(to.buf.data(), from.data, to.nbytes());
+}
+
+float* f32(HostTensor& t) { return t.buf.as<float>(); }
+}  // namespace
+
+Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::move(opt)) {
+  const int64_t B = art.batch_size, S = art.seq_len;
+  const IoSpec* h = art.program("embed").output("h");
+  if (h == nullptr || h->shape.size() != 3 || h->shape[0] != B || h->shape[1] != S ||
+      !h->dynamic_dims.empty())
+    throw RunnerError(art.path("run_config.json") + ": malformed (embed must return h (B, S, H))");
+  const DType act = h->dtype;
+  const Shape act_shape = h->shape;
+
+  // The LoRA tensors of each block: the forward program's lora/ inputs, in its order.
+  const Table& init = art.files.at(art.lora_init);
+  lora_.resize(art.blocks.size());
+  for (size_t i = 0; i < art.blocks.size(); ++i) {
+    for (const IoSpec& in : art.program(art.blocks[i].fn + ".forward").inputs) {
+      std::string key;
+      if (!starts(in.name, "lora/", &key)) continue;
+      std::string name = kPeft + std::to_string(i) + "." + key + ".weight";
+      auto it = init.find(name);
+      if (it == init.end())
+        throw RunnerError(art.path(art.lora_init) + ": no tensor '" + name + "'");
+      Lora l;
+      l.key = key;
+      l.p.dtype = it->second.dtype;
+      l.p.shape = it->second.shape;
+      max_lora_numel_ = std::max(max_lora_numel_, numel(l.p.shape));
+      lora_[i].push_back(std::move(l));
+    }
+    if (lora_[i].empty()) throw RunnerError("block " + std::to_string(i) + ": its program takes no LoRA tensor");
+  }
+
+  auto check = [&](const std::string& prog, int block, const std::map<std::string, TensorRef>& named) {
+    bind(prog, block, named, false);
+  };
+  auto need_out = [&](const std::string& prog, const std::string& name, DType t, const Shape& s) {
+    const IoSpec* o = art.program(prog).output(name);
+    if (o == nullptr || o->dtype != t || o->shape != s)
+      throw RunnerError(art.path(art.program(prog).pte) + ": output " + name + " must be " +
+                        dtype_name(t) + shape_str(s));
+  };
+  const TensorRef a = ref(act, act_shape);
+  const TensorRef n_rows = ref(DType::I64, {B * S});
+  const TensorRef scalar = ref(DType::F32, {});
+  check("embed", -1, {{"ids", ref(DType::I64, {B, S})}});
+  for (size_t i = 0; i < art.blocks.size(); ++i) {
+    const std::string fn = art.blocks[i].fn;
+    check(fn + ".forward", static_cast<int>(i), {{"x", a}});
+    need_out(fn + ".forward", "y", act, act_shape);
+    check(fn + ".backward", static_cast<int>(i), {{"x", a}, {"dy", a}});
+    need_out(fn + ".backward", "dx", act, act_shape);
+    for (const Lora& l : lora_[i]) need_out(fn + ".backward", "grad/" + l.key, l.p.dtype, l.p.shape);
+  }
+  check("loss", -1, {{"h", a}, {"rows", n_rows}, {"tgt", n_rows}, {"norm", scalar}});
+  need_out("loss", "dh", act, act_shape);
+  const IoSpec* loss = art.program("loss").output("loss");
+  if (loss == nullptr || loss->dtype != DType::F32 || loss->shape.size() != 1)
+    throw RunnerError(art.path(art.program("loss").pte) + ": output loss must be F32 (n,)");
+  const TensorRef flat = ref(DType::F32, {max_lora_numel_});
+  const std::string& o = opt_.optimizer;
+  if (o == "sgd") {
+    check("sgd", -1, {{"p", flat}, {"g", flat}, {"lr", scalar}, {"weight_decay", scalar}});
+  } else {
+    check("adamw", -1, {{"p", flat}, {"g", flat}, {"m", flat}, {"v", flat}, {"decay", scalar},
+                        {"one_minus_beta1", scalar}, {"beta2", scalar}, {"one_minus_beta2", scalar},
+                        {"step_size", scalar}, {"bc2_sqrt", scalar}, {"eps", scalar}});
+  }
+  for (const auto& block : lora_)
+    for (const Lora& l : block)
+      if (l.p.dtype != DType::F32)
+        throw RunnerError(art.path(art.lora_init) + ": LoRA tensors must be F32 (the optimizer programs are)");
+
+  ids_ = HostTensor(DType::I64, {B, S});
+  rows_ = HostTensor(DType::I64, {B * S});
+  tgt_ = HostTensor(DType::I64, {B * S});
+  norm_ = HostTensor(DType::F32, {});
+  for (HostTensor& s : scalars_) s = HostTensor(DType::F32, {});
+  h_ = HostTensor(act, act_shape);
+  g_ = HostTensor(act, act_shape);
+  for (size_t i = 0; i < art.blocks.size(); ++i) checkpoints_.emplace_back(act, act_shape);
+}
+
+// The inputs of `prog` in its spec's order: `named` (per-call tensors: x, dy, ids, ...) first,
+// then weights/, ctx/ and lora/ from their files. Before prepare() (with_data false) only the
+// dtypes and shapes are known, from run_config.json's tables: that is the up-front check.
+std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
+                                     const std::map<std::string, TensorRef>& named, bool with_data) {
+  const ProgramSpec& spec = art_.program(prog);
+  std::vector<TensorRef> out;
+  for (const IoSpec& in : spec.inputs) {
+    TensorRef r;
+    std::string rest;
+    auto it = named.find(in.name);
+    if (it != named.end()) {
+      r = it->second;
+    } else if (starts(in.name, "weights/", &rest) || starts(in.name, "ctx/", &rest)) {
+      std::string rel, key = rest;
+      const StFile* file = nullptr;
+      if (in.name[0] == 'c') {
+        rel = "context.safetensors";
+        key = art_.blocks[static_cast<size_t>(block)].layer_type + "." + rest;
+        file = &ctx_;
+      } else if (prog == "embed") {
+        rel = "embedding.safetensors";
+        file = &embed_;
+      } else if (prog == "loss") {
+        bool in_head = art_.files.at("head.safetensors").count(rest) > 0;
+        rel = in_head ? "head.safetensors" : "embedding.safetensors";
+        file = in_head ? &head_ : &embed_;
+      } else {
+        rel = art_.blocks[static_cast<size_t>(block)].file;
+        file = &block_;
+      }
+      if (with_data) {
+        auto t = file->header().tensors.find(key);
+        if (t == file->header().tensors.end())
+          throw RunnerError(file->path() + ": no tensor '" + key + "' (program " + prog + " needs it)");
+        r = ref(dtype_from_name(t->second.dtype), t->second.shape, const_cast<uint8_t*>(file->data(key)));
+      } else {
+        auto t = art_.files.at(rel).find(key);
+        if (t == art_.files.at(rel).end())
+          throw RunnerError(art_.path(rel) + ": no tensor '" + key + "' (program " + prog + " needs it)");
+        r = ref(t->second.dtype, t->second.shape);
+      }
+    } else if (starts(in.name, "lora/", &rest)) {
+      Lora* l = nullptr;
+      for (Lora& x : lora_[static_cast<size_t>(block)])
+        if (x.key == rest) l = &x;
+      if (l == nullptr)
+        throw RunnerError(art_.path(spec.pte) + ": input " + in.name + " is no LoRA tensor of block " +
+                          std::to_string(block));
+      r = with_data ? ref(l->p) : ref(l->p.dtype, l->p.shape);
+    } else {
+      throw RunnerError(art_.path(spec.pte) + ": input '" + in.name + "' is not one the runner knows");
+    }
+    if (!fits(in, r))
+      throw RunnerError(art_.path(spec.pte) + ": input " + in.name + " is " + dtype_name(in.dtype) +
+                        shape_str(in.shape) + " but its data is " + dtype_name(r.dtype) +
+                        shape_str(r.shape) + (block >= 0 ? " (block " + std::to_string(block) + ")" : ""));
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<TensorRef> Trainer::run(const std::string& prog, int block,
+                                    const std::map<std::string, TensorRef>& named) {
+  std::vector<TensorRef> outs = programs_->run(prog, bind(prog, block, named, true));
+  sample_memory();
+  return outs;
+}
+
+const TensorRef& Trainer::output(const std::vector<TensorRef>& outs, const std::string& prog,
+                                 const std::string& name) const {
+  const ProgramSpec& spec = art_.program(prog);
+  for (size_t i = 0; i < spec.outputs.size(); ++i)
+    if (spec.outputs[i].name == name) return outs.at(i);
+  throw RunnerError(art_.path(spec.pte) + ": no output " + name);
+}
+
+void Trainer::sample_memory() { peak_anon_ = std::max(peak_anon_, mem_info().rss_anon); }
+
+void Trainer::prepare(Programs& programs) {
+  programs_ = &programs;
+  embed_.open(art_.path("embedding.safetensors"));
+  head_.open(art_.path("head.safetensors"));
+  ctx_.open(art_.path("context.safetensors"));
+  StFile init;
+  init.open(art_.path(art_.lora_init));
+  for (size_t i = 0; i < lora_.size(); ++i) {
+    for (Lora& l : lora_[i]) {
+      std::string name = kPeft + std::to_string(i) + "." + l.key + ".weight";
+      const StEntry& e = init.header().tensors.at(name);
+      if (e.dtype != dtype_name(l.p.dtype) || e.shape != l.p.shape)
+        throw RunnerError(init.path() + ": tensor '" + name + "' changed since the check");
+      Shape shape = l.p.shape;
+      l.p = HostTensor(l.p.dtype, shape);
+      std::memcpy(l.p.buf.data(), init.data(name), l.p.nbytes());
+      l.g = HostTensor(l.p.dtype, shape);
+      if (opt_.optimizer == "adamw") {  // the moments start at zero
+        l.m = HostTensor(l.p.dtype, shape);
+        l.v = HostTensor(l.p.dtype, shape);
+      }
+    }
+  }
+  sample_memory();
+}
+
+std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
+  const int64_t n = static_cast<int64_t>(batch.rows.size());
+  if (n == 0) return std::nullopt;
+  std::memcpy(ids_.buf.data(), batch.ids.data(), ids_.nbytes());
+  std::memcpy(rows_.buf.data(), batch.rows.data(), static_cast<size_t>(n) * sizeof(int64_t));
+  std::memcpy(tgt_.buf.data(), batch.tgt.data(), static_cast<size_t>(n) * sizeof(int64_t));
+  *f32(norm_) = static_cast<float>(n);
+  const size_t L = art_.blocks.size();
+
+  // Forward: only the block inputs are kept.
+  auto outs = run("embed", -1, {{"ids", ref(ids_)}});
+  copy_out(output(outs, "embed", "h"), checkpoints_[0], "embed: h");
+  for (size_t i = 0; i < L; ++i) {
+    const std::string prog = art_.blocks[i].fn + ".forward";
+    block_.open(art_.path(art_.blocks[i].file));
+    outs = run(prog, static_cast<int>(i), {{"x", ref(checkpoints_[i])}});
+    block_.release();
+    copy_out(output(outs, prog, "y"), i + 1 < L ? checkpoints_[i + 1] : h_, prog + ": y");
+  }
+
+  // Loss: per-row losses (summed in double, as the engine does) and dL/dh.
+  TensorRef rows = ref(rows_), tgt = ref(tgt_);
+  rows.shape = tgt.shape = {n};
+  outs = run("loss", -1, {{"h", ref(h_)}, {"rows", rows}, {"tgt", tgt}, {"norm", ref(norm_)}});
+  const TensorRef& lr = output(outs, "loss", "loss");
+  if (lr.shape != Shape{n}) throw RunnerError("loss: came back as " + shape_str(lr.shape));
+  double sum = 0;
+  for (int64_t r = 0; r < n; ++r) sum += static_cast<const float*>(lr.data)[r];
+  const double loss = sum / static_cast<double>(n);
+  copy_out(output(outs, "loss", "dh"), g_, "loss: dh");
+
+  // Backward, last block first: dy in g_, dx back into g_, the LoRA gradients kept.
+  for (size_t i = L; i-- > 0;) {
+    const std::string prog = art_.blocks[i].fn + ".backward";
+    block_.open(art_.path(art_.blocks[i].file));
+    outs = run(prog, static_cast<int>(i), {{"x", ref(checkpoints_[i])}, {"dy", ref(g_)}});
+    block_.release();
+    copy_out(output(outs, prog, "dx"), g_, prog + ": dx");
+    for (Lora& l : lora_[i]) copy_out(output(outs, prog, "grad/" + l.key), l.g, prog + ": grad/" + l.key);
+  }
+  if (!std::isfinite(loss))
+    throw RunnerError("non-finite loss at step " + std::to_string(k) + "; no adapter written (lower --lr?)");
+  optimizer_step();
+  return loss;
+}
+
+void Trainer::optimizer_step() {
+  const double lr = opt_.lr, wd = opt_.weight_decay;
+  const int64_t t = ++opt_steps_;
+  const bool adamw = opt_.optimizer == "adamw";
+  std::map<std::string, TensorRef> named;
+  auto scalar = [&](int slot, const char* name, double v) {
+    *f32(scalars_[slot]) = static_cast<float>(v);  // computed in double, then cast
+    named[name] = ref(scalars_[slot]);
+  };
+  if (adamw) {
+    scalar(0, "decay", 1.0 - lr * wd);
+    scalar(1, "one_minus_beta1", 1.0 - 0.9);
+    scalar(2, "beta2", 0.999);
+    scalar(3, "one_minus_beta2", 1.0 - 0.999);
+    scalar(4, "step_size", lr / (1.0 - std::pow(0.9, static_cast<double>(t))));
+    scalar(5, "bc2_sqrt", std::sqrt(1.0 - std::pow(0.999, static_cast<double>(t))));
+    scalar(6, "eps", 1e-8);
+  } else {
+    scalar(0, "lr", lr);
+    scalar(1, "weight_decay", wd);
+  }
+  const std::string prog = adamw ? "adamw" : "sgd";
+  for (auto& block : lora_) {
+    for (Lora& l : block) {
+      const Shape flat = {l.p.numel()};
+      named["p"] = TensorRef{l.p.dtype, flat, l.p.buf.data()};
+      named["g"] = TensorRef{l.g.dtype, flat, l.g.buf.data()};
+      if (adamw) {
+        named["m"] = TensorRef{l.m.dtype, flat, l.m.buf.data()};
+        named["v"] = TensorRef{l.v.dtype, flat, l.v.buf.data()};
+      }
+      auto outs = run(prog, -1, named);
+      copy_out(output(outs, prog, "p"), l.p, prog + ": p");
+      if (adamw) {
+        copy_out(output(outs, prog, "m"), l.m, prog + ": m");
+        copy_out(output(outs, prog, "v"), l.v, prog + ": v");
+      }
+    }
+  }
+}
+
+}  // namespace mesp

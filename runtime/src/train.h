@@ -1,0 +1,71 @@
+// The training step of mesp/ondevice/runner.py (Trainer.step, train), on ExecuTorch programs:
+//   embed -> per block: keep its input, map its weights, forward, unmap
+//   -> loss (per-row losses and the gradient of the last hidden state)
+//   -> per block in reverse: map its weights, backward (dx and the LoRA gradients), unmap
+//   -> sgd / adamw program on every LoRA tensor.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "artifacts.h"
+#include "data.h"
+#include "et_program.h"
+#include "safetensors.h"
+#include "tensor.h"
+
+namespace mesp {
+
+struct OptimConfig {
+  std::string optimizer = "sgd";  // or "adamw"
+  double lr = 1e-4;
+  double weight_decay = 0.0;
+};
+
+class Trainer {
+ public:
+  // Checks every program input against where its data will come from (cheap: headers only).
+  Trainer(const Artifacts& art, OptimConfig opt);
+  // Maps the resident files, reads the initial adapter; call after the cheap checks.
+  void prepare(Programs& programs);
+  // One step on `batch`: the mean token loss, or nothing when no token is trained (then no
+  // optimizer step). Throws RunnerError on a non-finite loss.
+  std::optional<double> step(const Batch& batch, int64_t k);
+  // Writes OUT/adapter_model.safetensors then OUT/adapter_config.json.
+  void save(const std::string& out) const;
+
+  // Largest anonymous RSS seen after any program ran.
+  uint64_t peak_anon() const { return peak_anon_; }
+
+ private:
+  struct Lora {
+    std::string key;  // e.g. "self_attn.q_proj.lora_A"
+    HostTensor p, g, m, v;
+  };
+
+  std::vector<TensorRef> bind(const std::string& prog, int block,
+                              const std::map<std::string, TensorRef>& named, bool with_data);
+  std::vector<TensorRef> run(const std::string& prog, int block,
+                             const std::map<std::string, TensorRef>& named);
+  const TensorRef& output(const std::vector<TensorRef>& outs, const std::string& prog,
+                          const std::string& name) const;
+  void optimizer_step();
+  void sample_memory();
+
+  const Artifacts& art_;
+  OptimConfig opt_;
+  Programs* programs_ = nullptr;
+  StFile embed_, head_, ctx_;  // resident for the whole run
+  StFile block_;               // the one block whose weights are mapped now
+  std::vector<std::vector<Lora>> lora_;  // per block, in the forward program's input order
+  std::vector<HostTensor> checkpoints_;  // block inputs x_i
+  HostTensor ids_, rows_, tgt_, norm_, h_, g_;
+  HostTensor scalars_[8];  // 0-d f32 optimizer inputs
+  int64_t opt_steps_ = 0;
+  int64_t max_lora_numel_ = 0;
+  uint64_t peak_anon_ = 0;
+};
+
+}  // namespace mesp
