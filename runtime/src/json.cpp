@@ -54,6 +54,7 @@ class JsonParser {
         ++col;
       }
     }
+    if (s_.find('\n') == std::string::npos) return "column " + std::to_string(col) + ": ";
     return "line " + std::to_string(line) + " column " + std::to_string(col) + ": ";
   }
   bool fail(const std::string& msg) {
