@@ -1,6 +1,8 @@
 #include "et_program.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
@@ -46,6 +48,16 @@ void on_log(et_timestamp_t, et_pal_log_level_t level, const char* file, const ch
   while (!m.empty() && (m.back() == '\n' || m.back() == '\r')) m.pop_back();
   if (level == kError || level == kFatal) g_last_log = m;
   if (g_print_log) std::fprintf(stderr, "[executorch %c %s:%zu] %s\n", level, file, line, m.c_str());
+}
+
+// ET_CHECK failures end in the PAL's abort: still one line and exit code 2, never a core dump.
+[[noreturn]] void on_abort() {
+  std::string m = g_last_log.empty() ? "" : ": " + g_last_log;
+  for (char& c : m)
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  std::fprintf(stderr, "mesp-runner: error: ExecuTorch aborted%s; no adapter written\n", m.c_str());
+  std::fflush(stderr);
+  std::_Exit(2);
 }
 
 std::string last_log() {
@@ -106,19 +118,24 @@ struct Programs::Impl {
   std::vector<et::Span<uint8_t>> spans;
 };
 
-Programs::Programs() : impl_(new Impl) {
+// Our log hook goes in before anything can log (the thread pool logs when it is created).
+static void init_executorch() {
   static bool initialized = false;
   if (!initialized) {
     g_print_log = std::getenv("MESP_ET_LOG") != nullptr;
-    et::register_pal(et::PalImpl::create(on_log, __FILE__));
+    et::register_pal(et::PalImpl::create(nullptr, on_abort, nullptr, nullptr, on_log, nullptr,
+                                         nullptr, __FILE__));
     et::runtime_init();
     initialized = true;
   }
 }
 
+Programs::Programs() : impl_(new Impl) { init_executorch(); }
+
 Programs::~Programs() = default;
 
 void Programs::set_threads(int n) {
+  init_executorch();
   if (n > 0) {
     auto* pool = executorch::extension::threadpool::get_threadpool();
     if (pool != nullptr) pool->_unsafe_reset_threadpool(static_cast<uint32_t>(n));
