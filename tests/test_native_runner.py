@@ -1,0 +1,357 @@
+"""The native runner (runtime/, build/ondevice/mesp-runner): it builds against the executorch
+wheel alone (no libtorch, no libpython in the binary), trains from `mesp export --target
+executorch` artifacts, and refuses bad input with one line, exit code 2 and no adapter written.
+
+Exactness against the engine and the Python ExecuTorch driver lives with those (the numbers);
+here: the build, the CLI, the step lines, the adapter's format, and every bad input.
+Artifacts: exported once per session from a tiny llama; MESP_ET_ARTIFACTS=DIR uses a prebuilt
+export directory instead (copied, never modified).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = ROOT / "build" / "ondevice" / "mesp-runner"
+STEP_LINE = re.compile(
+    r"^step (\d+) loss (\d+\.\d{6,}|skipped \(no trained token\)) time \d+\.\d{3}s "
+    r"peak_rss \d+\.\dMiB anon \d+\.\dMiB$"
+)
+SAVED_LINE = re.compile(
+    r"^saved .+ after \d+ steps in \d+\.\d s; peak RSS \d+\.\d MiB \(anon \d+\.\d MiB\); "
+    r"planned memory \d+\.\d MiB$"
+)
+
+
+def _executorch_dir() -> Path | None:
+    spec = importlib.util.find_spec("executorch")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(d) / "include" / "executorch").is_dir():
+            return Path(d)
+    return None
+
+
+@pytest.fixture(scope="session")
+def runner_bin() -> Path:
+    """scripts/build-ondevice, once per session, against this interpreter's venv."""
+    if _executorch_dir() is None:
+        pytest.skip("executorch (with its C++ headers and libraries) is not installed")
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    env = {**os.environ, "MESP_VENV": sys.prefix}
+    r = subprocess.run(
+        [str(ROOT / "scripts" / "build-ondevice")], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, f"build-ondevice failed:\n{r.stdout}\n{r.stderr}"
+    assert BIN.is_file()
+    return BIN
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory: pytest.TempPathFactory, runner_bin: Path) -> Path:
+    """An export directory with an "executorch" section (read-only: tests copy it)."""
+    given = os.environ.get("MESP_ET_ARTIFACTS")
+    if given:
+        return Path(given)
+    from mesp.ondevice.export import ExportOptions, export_model
+
+    if "target" not in getattr(ExportOptions, "__dataclass_fields__", {}):
+        pytest.skip("this tree's exporter has no --target executorch (set MESP_ET_ARTIFACTS)")
+    import torch
+
+    from tests.engine_cases import model_with_adapter
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("et") / "art"
+    export_model(model_with_adapter("llama"), out, ExportOptions(seq_len=8, batch_size=2, target="executorch"))
+    return out
+
+
+def _conf(d: Path) -> dict:
+    return json.loads((d / "run_config.json").read_text())
+
+
+def _rows(d: Path, n: int = 3) -> list[dict]:
+    c = _conf(d)
+    s, v = c["seq_len"], c["model"]["vocab_size"]
+    return [
+        {"input_ids": [(7 * i + 3 * t) % v for t in range(s + 1)], "loss_mask": [0, 0] + [1] * (s - 1)}
+        for i in range(n)
+    ]
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _run(runner_bin: Path, art: Path, data: Path, out: Path, *extra: str, steps: int = 2):
+    argv = [str(runner_bin), str(art), "--data", str(data), "--steps", str(steps), "--out", str(out)]
+    return subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=600)
+
+
+def _refused(r: subprocess.CompletedProcess, out: Path, *needles: str) -> None:
+    """One error line, exit code 2, no adapter; the line says what went wrong."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mesp-runner: error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert not (out / "adapter_model.safetensors").exists()
+    assert not (out / "adapter_config.json").exists()
+
+
+def _fnv1a64(b: bytes) -> str:
+    h = 0xCBF29CE484222325
+    for x in b:
+        h = ((h ^ x) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+# ---- the build ----
+
+
+def test_binary_links_no_libtorch_no_libpython(runner_bin: Path) -> None:
+    if shutil.which("ldd") is None:
+        pytest.skip("no ldd on this machine")
+    deps = subprocess.run(["ldd", str(runner_bin)], capture_output=True, text=True, check=True).stdout
+    assert "libexecutorch.so" in deps
+    for bad in ("libtorch", "libc10", "libpython"):
+        assert bad not in deps, deps
+    assert "not found" not in deps, deps
+
+
+def test_help_and_bad_flags(runner_bin: Path, tmp_path: Path) -> None:
+    r = subprocess.run([str(runner_bin), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "usage: mesp-runner" in r.stdout
+    art, data, out = tmp_path / "nothing", tmp_path / "rows.jsonl", tmp_path / "out"
+    for argv, needle in [
+        ([], "missing the artifact directory"),
+        ([str(art), "--steps", "1", "--out", str(out)], "--data is required"),
+        ([str(art), "--data", str(data), "--steps", "1"], "--out is required"),
+        ([str(art), "--data", str(data), "--out", str(out)], "--steps is required"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "0"], "must be positive"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "x"], "expected an integer"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "1", "--lr", "-1"], "must be positive"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "1", "--lr", "nan"], "must be positive"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "1", "--optimizer", "sgdm"], "sgd or adamw"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "1", "--weight-decay", "-1"], "--weight-decay"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "1", "--bogus"], "unknown flag --bogus"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "1", "--lr"], "--lr needs a value"),
+        ([str(art), "--data", str(data), "--out", str(out), "--steps", "1"], "not an artifact directory"),
+    ]:
+        _refused(subprocess.run([str(runner_bin), *argv], capture_output=True, text=True), out, needle)
+
+
+# ---- a run ----
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_trains_and_saves_a_peft_adapter(runner_bin: Path, artifacts: Path, tmp_path: Path, optimizer: str) -> None:
+    from safetensors import safe_open
+
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts))
+    out, log = tmp_path / "adapter", tmp_path / "log.jsonl"
+    r = _run(runner_bin, artifacts, data, out, "--optimizer", optimizer, "--lr", "1e-3",
+             "--json-log", str(log), "--threads", "1", steps=3)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4, r.stdout
+    assert all(STEP_LINE.match(x) for x in lines[:3]), lines
+    assert SAVED_LINE.match(lines[3]), lines[3]
+    steps = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s, line in zip(steps, lines):
+        assert f"loss {s['loss']:.6f} " in line
+    conf = _conf(artifacts)
+    with safe_open(str(artifacts / conf["lora"]["init"]), "pt") as f:
+        init = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(got) == set(init)
+    assert all(got[k].shape == init[k].shape and got[k].dtype == init[k].dtype for k in got)
+    assert any(not (got[k] == init[k]).all() for k in got)  # it trained
+    peft = json.loads((out / "adapter_config.json").read_text())
+    lora = conf["lora"]
+    assert peft == {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
+        "lora_dropout": 0.0, "bias": "none", "target_modules": lora["targets"],
+        "base_model_name_or_path": conf["model"]["base_model"], "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "inference_mode": True,
+    }
+
+
+def test_no_trained_token_skips_the_step(runner_bin: Path, artifacts: Path, tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "rows.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [1, 0, 0]}])
+    out = tmp_path / "adapter"
+    r = _run(runner_bin, artifacts, data, out)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("step 1 loss skipped (no trained token) time ")
+    assert (out / "adapter_config.json").is_file()
+
+
+# ---- bad input: one line, exit code 2, no adapter ----
+
+
+def _copy(artifacts: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "art"
+    shutil.copytree(artifacts, d)
+    return d
+
+
+def _edit_conf(d: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    c = _conf(d)
+    edit(c)
+    (d / "run_config.json").write_text(json.dumps(c, indent=1))
+
+
+def _rewrite_st(path: Path, export_id: str | None = None, reshape: str | None = None) -> None:
+    from safetensors.torch import load_file, save_file
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        meta = json.loads(f.read(n))["__metadata__"]
+    t = load_file(str(path))
+    if reshape is not None:
+        t[reshape] = t[reshape].reshape(-1)
+    save_file(t, str(path), metadata={**meta, **({"export_id": export_id} if export_id else {})})
+
+
+def _pte(d: Path, prog: str = "sgd") -> Path:
+    return d / _conf(d)["executorch"]["programs"][prog]["pte"]
+
+
+def _block_file(d: Path, i: int = 0) -> Path:
+    return d / _conf(d)["blocks"][i]["file"]
+
+
+def _break_config_json(d: Path) -> None:
+    (d / "run_config.json").write_text("{not json")
+
+
+def _drop_executorch(d: Path) -> None:
+    _edit_conf(d, lambda c: c.pop("executorch"))
+
+
+def _truncate_pte(d: Path) -> None:
+    p = _pte(d)
+    p.write_bytes(p.read_bytes()[:-16])
+
+
+def _flip_pte(d: Path) -> None:
+    p = _pte(d)
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    p.write_bytes(bytes(b))
+
+
+def _refused_pte(d: Path) -> None:
+    """Not a program at all, but with its size and hash recorded: ExecuTorch says no."""
+    p = _pte(d)
+    b = bytearray(p.read_bytes())
+    b[4:8] = b"XXXX"  # the flatbuffer file identifier, "ET12"
+    p.write_bytes(bytes(b))
+
+    def fix(c: dict) -> None:
+        c["executorch"]["programs"]["sgd"]["fnv1a64"] = _fnv1a64(bytes(b))
+
+    _edit_conf(d, fix)
+
+
+def _other_export_id(d: Path) -> None:
+    _rewrite_st(d / "head.safetensors", export_id="0" * 32)
+
+
+def _missing_block(d: Path) -> None:
+    _block_file(d, len(_conf(d)["blocks"]) - 1).unlink()
+
+
+def _tensor_mismatch(d: Path) -> None:
+    p = _block_file(d)
+    from safetensors import safe_open
+
+    with safe_open(str(p), "pt") as f:
+        name = next(k for k in f.keys() if len(f.get_slice(k).get_shape()) == 2)
+    _rewrite_st(p, reshape=name)
+
+
+def _truncate_block(d: Path) -> None:
+    p = _block_file(d)
+    p.write_bytes(p.read_bytes()[:-4])
+
+
+def _missing_pte(d: Path) -> None:
+    _pte(d, "loss").unlink()
+
+
+BAD_ARTIFACTS = {
+    "no config": (lambda d: (d / "run_config.json").unlink(), ["run_config.json: missing"]),
+    "malformed config": (_break_config_json, ["run_config.json: unreadable"]),
+    "no executorch section": (_drop_executorch, ["export with --target executorch"]),
+    "truncated pte": (_truncate_pte, ["sgd.pte", "truncated"]),
+    "pte from another export": (_flip_pte, ["sgd.pte", "fnv1a64", "not from this export"]),
+    "pte executorch refuses": (_refused_pte, ["sgd.pte", "ExecuTorch refused the program", "InvalidProgram"]),
+    "missing pte": (_missing_pte, ["loss.pte", "missing"]),
+    "export id differs": (_other_export_id, ["head.safetensors", "made by export 000", "mixed"]),
+    "missing block file": (_missing_block, ["block_", "missing"]),
+    "tensor not in table": (_tensor_mismatch, ["block_000", "run_config.json says"]),
+    "truncated block file": (_truncate_block, ["block_000", "truncated"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARTIFACTS))
+def test_bad_artifacts_are_refused(runner_bin: Path, artifacts: Path, tmp_path: Path, case: str) -> None:
+    d = _copy(artifacts, tmp_path)
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(d))
+    breaker, needles = BAD_ARTIFACTS[case]
+    breaker(d)
+    out = tmp_path / "adapter"
+    _refused(_run(runner_bin, d, data, out), out, *needles)
+
+
+def _bad_rows(s: int, v: int) -> dict:
+    ok = json.dumps({"input_ids": [1, 2, 3]})
+    return {
+        "not json": ([ok, "{nope"], ":2: not JSON"),
+        "ids not a list": (['{"input_ids": 5}'], ':1: "input_ids" must be a list'),
+        "id out of range": ([json.dumps({"input_ids": [1, v]})], f"token ids in 0..{v - 1}"),
+        "id not an integer": (['{"input_ids": [1, 2.0]}'], '"input_ids" must be'),
+        "id a boolean": (['{"input_ids": [1, true]}'], '"input_ids" must be'),
+        "too long": ([ok, "", json.dumps({"input_ids": [1] * (s + 2)})], f":3: {s + 2} tokens; rows must have 2..{s + 1}"),
+        "too short": ([json.dumps({"input_ids": [1]})], ":1: 1 tokens"),
+        "mask length": ([json.dumps({"input_ids": [1, 2], "loss_mask": [1]})], '"loss_mask" must be'),
+        "mask value": ([json.dumps({"input_ids": [1, 2], "loss_mask": [0, 2]})], '"loss_mask" must be'),
+        "no rows": (["", "  "], "no rows"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_rows(8, 10)))
+def test_bad_rows_are_refused(runner_bin: Path, artifacts: Path, tmp_path: Path, case: str) -> None:
+    c = _conf(artifacts)
+    lines, needle = _bad_rows(c["seq_len"], c["model"]["vocab_size"])[case]
+    data = _jsonl(tmp_path / "rows.jsonl", lines)
+    out = tmp_path / "adapter"
+    _refused(_run(runner_bin, artifacts, data, out), out, str(data), needle)
+
+
+def test_missing_data_and_out_a_file(runner_bin: Path, artifacts: Path, tmp_path: Path) -> None:
+    out = tmp_path / "adapter"
+    _refused(_run(runner_bin, artifacts, tmp_path / "none.jsonl", out), out, "none.jsonl")
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts))
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _run(runner_bin, artifacts, data, f)
+    assert r.returncode == 2 and r.stderr.startswith("mesp-runner: error: ") and "not a directory" in r.stderr
+    assert f.read_text() == "x"
