@@ -1,6 +1,8 @@
 #include "train.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "error.h"
@@ -157,6 +159,14 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
         if (t == file->header().tensors.end())
           throw RunnerError(file->path() + ": no tensor '" + key + "' (program " + prog + " needs it)");
         r = ref(dtype_from_name(t->second.dtype), t->second.shape, const_cast<uint8_t*>(file->data(key)));
+        // safetensors' own writer keeps data aligned; a file from another writer may not be,
+        // and kernels may assume aligned elements: such a tensor is copied.
+        const size_t esize = dtype_size(r.dtype);
+        if (esize > 1 && reinterpret_cast<uintptr_t>(r.data) % esize != 0) {
+          scratch_.emplace_back(r.nbytes());
+          std::memcpy(scratch_.back().data(), r.data, r.nbytes());
+          r.data = scratch_.back().data();
+        }
       } else {
         auto t = art_.files.at(rel).find(key);
         if (t == art_.files.at(rel).end())
@@ -186,6 +196,7 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
 std::vector<TensorRef> Trainer::run(const std::string& prog, int block,
                                     const std::map<std::string, TensorRef>& named) {
   std::vector<TensorRef> outs = programs_->run(prog, bind(prog, block, named, true));
+  scratch_.clear();
   sample_memory();
   return outs;
 }

@@ -63,6 +63,7 @@ class Trainer {
   std::vector<HostTensor> checkpoints_;  // block inputs x_i
   HostTensor ids_, rows_, tgt_, norm_, h_, g_;
   HostTensor scalars_[8];  // 0-d f32 optimizer inputs
+  std::vector<Buffer> scratch_;  // aligned copies of misaligned mapped tensors, for one run
   int64_t opt_steps_ = 0;
   int64_t max_lora_numel_ = 0;
   uint64_t peak_anon_ = 0;
