@@ -193,7 +193,11 @@ void Programs::load(const Artifacts& art) {
       if (!size.ok() || size.get() < 0) throw RunnerError(p->path + ": bad planned buffer size");
       p->planned.push_back(size.get());
     }
-    if (!spec.planned_bytes.empty() && spec.planned_bytes != p->planned)
+    // run_config.json lists either MethodMeta's sizes or the plan's raw list, which starts
+    // with ExecuTorch's reserved buffer id 0 (size 0).
+    std::vector<int64_t> raw = {0};
+    raw.insert(raw.end(), p->planned.begin(), p->planned.end());
+    if (!spec.planned_bytes.empty() && spec.planned_bytes != p->planned && spec.planned_bytes != raw)
       throw RunnerError(p->path + ": planned buffers differ from run_config.json (not from this export)");
     n_buffers = std::max(n_buffers, p->planned.size());
     impl_->programs[name] = std::move(p);
