@@ -183,14 +183,19 @@ def test_trains_and_saves_a_peft_adapter(runner_bin: Path, artifacts: Path, tmp_
     assert set(got) == set(init)
     assert all(got[k].shape == init[k].shape and got[k].dtype == init[k].dtype for k in got)
     assert any(not (got[k] == init[k]).all() for k in got)  # it trained
-    peft = json.loads((out / "adapter_config.json").read_text())
     lora = conf["lora"]
-    assert peft == {
+    peft = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
         "lora_dropout": 0.0, "bias": "none", "target_modules": lora["targets"],
         "base_model_name_or_path": conf["model"]["base_model"], "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "inference_mode": True,
     }
+    # Byte for byte what the Python runner's save_adapter() writes.
+    assert (out / "adapter_config.json").read_text() == json.dumps(peft, indent=2)
+    from safetensors.torch import save_file
+
+    save_file(got, str(tmp_path / "py.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "py.safetensors").read_bytes() == (out / "adapter_model.safetensors").read_bytes()
 
 
 def test_no_trained_token_skips_the_step(runner_bin: Path, artifacts: Path, tmp_path: Path) -> None:

@@ -31,8 +31,8 @@ std::string dump(const Json& v, int level) {
       if (v.members().empty()) return "{}";
       std::string s = "{\n";
       for (size_t i = 0; i < v.members().size(); ++i)
-        s += pad + json_quote(v.members()[i].first) + ": " + dump(v.members()[i].second, level + 1) +
-             (i + 1 < v.members().size() ? ",\n" : "\n");
+        s += pad + json_quote(v.members()[i].first) + ": " +
+             dump(v.members()[i].second, level + 1) + (i + 1 < v.members().size() ? ",\n" : "\n");
       return s + end + "}";
     }
   }
@@ -67,14 +67,16 @@ void Trainer::save(const std::string& out) const {
   };
   std::string config = "{\n";
   for (size_t i = 0; i < f.size(); ++i)
-    config += "  " + json_quote(f[i].first) + ": " + f[i].second + (i + 1 < f.size() ? ",\n" : "\n");
+    config +=
+        "  " + json_quote(f[i].first) + ": " + f[i].second + (i + 1 < f.size() ? ",\n" : "\n");
   config += "}";
 
   std::vector<StOut> tensors;
   for (size_t i = 0; i < lora_.size(); ++i)
     for (const Lora& l : lora_[i])
-      tensors.push_back(StOut{"base_model.model.model.layers." + std::to_string(i) + "." + l.key + ".weight",
-                              l.p.dtype, l.p.shape, l.p.buf.data(), l.p.nbytes()});
+      tensors.push_back(
+          StOut{"base_model.model.model.layers." + std::to_string(i) + "." + l.key + ".weight",
+                l.p.dtype, l.p.shape, l.p.buf.data(), l.p.nbytes()});
   const std::string model_bytes = st_serialize(std::move(tensors), {{"format", "pt"}});
 
   std::string why;

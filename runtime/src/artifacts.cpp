@@ -49,7 +49,8 @@ struct Conf {
     if (!v.is_array()) bad(where, "is not a shape");
     Shape s;
     for (const Json& d : v.items()) {
-      if (!d.is_int() || d.as_int() < 0 || d.as_int() > (int64_t(1) << 40)) bad(where, "is not a shape");
+      if (!d.is_int() || d.as_int() < 0 || d.as_int() > (int64_t(1) << 40))
+        bad(where, "is not a shape");
       s.push_back(d.as_int());
     }
     return s;
@@ -87,9 +88,11 @@ void check_file(const Artifacts& a, const std::string& rel, const Table& table) 
   for (const auto& kv : h.tensors) names.insert(kv.first);
   for (const auto& kv : table) want.insert(kv.first);
   for (const auto& n : names)
-    if (!want.count(n)) throw RunnerError(p + ": tensor '" + n + "' does not match run_config.json");
+    if (!want.count(n))
+      throw RunnerError(p + ": tensor '" + n + "' does not match run_config.json");
   for (const auto& n : want)
-    if (!names.count(n)) throw RunnerError(p + ": tensor '" + n + "' does not match run_config.json");
+    if (!names.count(n))
+      throw RunnerError(p + ": tensor '" + n + "' does not match run_config.json");
   for (const auto& [k, e] : table) {
     const StEntry& s = h.tensors.at(k);
     if (s.dtype != e.dtype_text || s.shape != e.shape)
@@ -179,7 +182,8 @@ Artifacts load_artifacts(const std::string& root) {
   a.seq_len = k.integer(c, "seq_len", "");
   a.batch_size = k.integer(c, "batch_size", "");
   a.vocab = k.integer(k.object(c, "model", ""), "vocab_size", "model");
-  if (a.seq_len < 1 || a.batch_size < 1 || a.vocab < 1) k.bad("seq_len/batch_size/vocab_size", "not positive");
+  if (a.seq_len < 1 || a.batch_size < 1 || a.vocab < 1)
+    k.bad("seq_len/batch_size/vocab_size", "not positive");
   a.lora_init = k.str(k.object(c, "lora", ""), "init", "lora");
 
   for (const auto& [rel, spec] : k.object(c, "files", "").members()) {
@@ -225,7 +229,8 @@ Artifacts load_artifacts(const std::string& root) {
     if (const Json* pb = p.find("planned_bytes")) {
       if (!pb->is_array()) k.bad(w + "[\"planned_bytes\"]", "is not an array");
       for (const Json& x : pb->items()) {
-        if (!x.is_int() || x.as_int() < 0) k.bad(w + "[\"planned_bytes\"]", "is not a list of sizes");
+        if (!x.is_int() || x.as_int() < 0)
+          k.bad(w + "[\"planned_bytes\"]", "is not a list of sizes");
         s.planned_bytes.push_back(x.as_int());
       }
     }
@@ -234,7 +239,8 @@ Artifacts load_artifacts(const std::string& root) {
       s.inputs.push_back(io_spec(k, ins.items()[i], w + "[\"inputs\"][" + std::to_string(i) + "]"));
     const Json& outs = k.array(p, "outputs", w);
     for (size_t i = 0; i < outs.items().size(); ++i)
-      s.outputs.push_back(io_spec(k, outs.items()[i], w + "[\"outputs\"][" + std::to_string(i) + "]"));
+      s.outputs.push_back(
+          io_spec(k, outs.items()[i], w + "[\"outputs\"][" + std::to_string(i) + "]"));
     a.programs[name] = std::move(s);
   }
   std::set<std::string> need = {"embed", "loss", "sgd", "adamw"};

@@ -16,7 +16,8 @@ static bool blank(const std::string& s) {
 }
 
 std::vector<Row> read_rows(const std::string& path, int64_t seq_len, int64_t vocab) {
-  if (file_size(path) < 0) throw RunnerError(path + ": unreadable (No such file or not a regular file)");
+  if (file_size(path) < 0)
+    throw RunnerError(path + ": unreadable (No such file or not a regular file)");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw RunnerError(path + ": unreadable");
   std::vector<Row> rows;

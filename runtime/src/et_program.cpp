@@ -1,11 +1,5 @@
 #include "et_program.h"
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <map>
-
 #include <executorch/extension/data_loader/file_data_loader.h>
 #include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
 #include <executorch/runtime/core/evalue.h>
@@ -15,6 +9,12 @@
 #include <executorch/runtime/executor/program.h>
 #include <executorch/runtime/platform/platform.h>
 #include <executorch/runtime/platform/runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
 
 #include "error.h"
 
@@ -47,7 +47,8 @@ void on_log(et_timestamp_t, et_pal_log_level_t level, const char* file, const ch
   std::string m(msg, len);
   while (!m.empty() && (m.back() == '\n' || m.back() == '\r')) m.pop_back();
   if (level == kError || level == kFatal) g_last_log = m;
-  if (g_print_log) std::fprintf(stderr, "[executorch %c %s:%zu] %s\n", level, file, line, m.c_str());
+  if (g_print_log)
+    std::fprintf(stderr, "[executorch %c %s:%zu] %s\n", level, file, line, m.c_str());
 }
 
 // ET_CHECK failures end in the PAL's abort: still one line and exit code 2, never a core dump.
@@ -130,7 +131,9 @@ static void init_executorch() {
   }
 }
 
-Programs::Programs() : impl_(new Impl) { init_executorch(); }
+Programs::Programs() : impl_(new Impl) {
+  init_executorch();
+}
 
 Programs::~Programs() = default;
 
@@ -179,14 +182,16 @@ void Programs::load(const Artifacts& art) {
     if (!loader.ok())
       throw RunnerError(p->path + ": cannot open (" + err(loader.error()) + last_log() + ")");
     p->loader = std::make_unique<FileDataLoader>(std::move(loader.get()));
-    auto program = et::Program::load(p->loader.get(), et::Program::Verification::InternalConsistency);
+    auto program =
+        et::Program::load(p->loader.get(), et::Program::Verification::InternalConsistency);
     if (!program.ok())
       throw RunnerError(p->path + ": ExecuTorch refused the program: " + err(program.error()) +
                         last_log());
     p->program = std::make_unique<et::Program>(std::move(program.get()));
     auto meta = p->program->method_meta(spec.method.c_str());
     if (!meta.ok())
-      throw RunnerError(p->path + ": has no method \"" + spec.method + "\" (" + err(meta.error()) + ")");
+      throw RunnerError(p->path + ": has no method \"" + spec.method + "\" (" + err(meta.error()) +
+                        ")");
     check_meta(*p, meta.get());
     for (size_t i = 0; i < meta->num_memory_planned_buffers(); ++i) {
       auto size = meta->memory_planned_buffer_size(i);
@@ -197,8 +202,10 @@ void Programs::load(const Artifacts& art) {
     // with ExecuTorch's reserved buffer id 0 (size 0).
     std::vector<int64_t> raw = {0};
     raw.insert(raw.end(), p->planned.begin(), p->planned.end());
-    if (!spec.planned_bytes.empty() && spec.planned_bytes != p->planned && spec.planned_bytes != raw)
-      throw RunnerError(p->path + ": planned buffers differ from run_config.json (not from this export)");
+    if (!spec.planned_bytes.empty() && spec.planned_bytes != p->planned &&
+        spec.planned_bytes != raw)
+      throw RunnerError(p->path +
+                        ": planned buffers differ from run_config.json (not from this export)");
     n_buffers = std::max(n_buffers, p->planned.size());
     impl_->programs[name] = std::move(p);
   }
@@ -231,7 +238,8 @@ uint64_t Programs::planned_bytes() const {
   return n;
 }
 
-std::vector<TensorRef> Programs::run(const std::string& name, const std::vector<TensorRef>& inputs) {
+std::vector<TensorRef> Programs::run(const std::string& name,
+                                     const std::vector<TensorRef>& inputs) {
   auto it = impl_->programs.find(name);
   if (it == impl_->programs.end()) throw RunnerError("no program " + name);
   Loaded& p = *it->second;
@@ -260,14 +268,14 @@ std::vector<TensorRef> Programs::run(const std::string& name, const std::vector<
                         shape_str(in.shape) + " refused: " + err(e) + last_log());
   }
   et::Error e = p.method->execute();
-  if (e != et::Error::Ok)
-    throw RunnerError(p.path + ": execution failed: " + err(e) + last_log());
+  if (e != et::Error::Ok) throw RunnerError(p.path + ": execution failed: " + err(e) + last_log());
   std::vector<et::EValue> outs(s.outputs.size());
   e = p.method->get_outputs(outs.data(), outs.size());
   if (e != et::Error::Ok) throw RunnerError(p.path + ": no outputs: " + err(e) + last_log());
   std::vector<TensorRef> result;
   for (size_t i = 0; i < outs.size(); ++i) {
-    if (!outs[i].isTensor()) throw RunnerError(p.path + ": output " + s.outputs[i].name + " is not a tensor");
+    if (!outs[i].isTensor())
+      throw RunnerError(p.path + ": output " + s.outputs[i].name + " is not a tensor");
     const ea::Tensor& t = outs[i].toTensor();
     TensorRef r;
     r.dtype = dtype_of(t.scalar_type());

@@ -81,8 +81,14 @@ class JsonParser {
       case '{': return object(out, depth);
       case '[': return array(out, depth);
       case '"': out.type_ = Json::Type::String; return string(out.str_);
-      case 't': out.type_ = Json::Type::Bool; out.bool_ = true; return literal("true");
-      case 'f': out.type_ = Json::Type::Bool; out.bool_ = false; return literal("false");
+      case 't':
+        out.type_ = Json::Type::Bool;
+        out.bool_ = true;
+        return literal("true");
+      case 'f':
+        out.type_ = Json::Type::Bool;
+        out.bool_ = false;
+        return literal("false");
       case 'n': out.type_ = Json::Type::Null; return literal("null");
       default:
         if (c == '-' || (c >= '0' && c <= '9')) return number(out);
@@ -107,7 +113,10 @@ class JsonParser {
       out.obj_.emplace_back(std::move(key), Json());
       if (!value(out.obj_.back().second, depth + 1)) return false;
       ws();
-      if (i_ < s_.size() && s_[i_] == ',') { ++i_; continue; }
+      if (i_ < s_.size() && s_[i_] == ',') {
+        ++i_;
+        continue;
+      }
       if (i_ < s_.size() && s_[i_] == '}') return ++i_, true;
       return fail("expected ',' or '}'");
     }
@@ -123,7 +132,10 @@ class JsonParser {
       out.arr_.emplace_back();
       if (!value(out.arr_.back(), depth + 1)) return false;
       ws();
-      if (i_ < s_.size() && s_[i_] == ',') { ++i_; continue; }
+      if (i_ < s_.size() && s_[i_] == ',') {
+        ++i_;
+        continue;
+      }
       if (i_ < s_.size() && s_[i_] == ']') return ++i_, true;
       return fail("expected ',' or ']'");
     }
@@ -153,10 +165,14 @@ class JsonParser {
     for (int k = 0; k < 4; ++k) {
       char h = s_[i_++];
       v <<= 4;
-      if (h >= '0' && h <= '9') v |= h - '0';
-      else if (h >= 'a' && h <= 'f') v |= h - 'a' + 10;
-      else if (h >= 'A' && h <= 'F') v |= h - 'A' + 10;
-      else return fail("bad \\u escape");
+      if (h >= '0' && h <= '9')
+        v |= h - '0';
+      else if (h >= 'a' && h <= 'f')
+        v |= h - 'a' + 10;
+      else if (h >= 'A' && h <= 'F')
+        v |= h - 'A' + 10;
+      else
+        return fail("bad \\u escape");
     }
     return true;
   }
@@ -167,7 +183,10 @@ class JsonParser {
       unsigned char c = static_cast<unsigned char>(s_[i_++]);
       if (c == '"') return true;
       if (c < 0x20) return fail("control character in a string");
-      if (c != '\\') { out += static_cast<char>(c); continue; }
+      if (c != '\\') {
+        out += static_cast<char>(c);
+        continue;
+      }
       if (i_ >= s_.size()) break;
       char e = s_[i_++];
       switch (e) {
@@ -242,49 +261,6 @@ bool Json::parse(const std::string& text, Json& out, std::string& why) {
   out = Json();
   JsonParser p(text);
   return p.document(out, why);
-}
-
-std::string json_quote(const std::string& s) {
-  std::string out = "\"";
-  auto u = [&out](uint32_t v) {
-    char buf[8];
-    std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(v));
-    out += buf;
-  };
-  for (size_t i = 0; i < s.size();) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '"') { out += "\\\""; ++i; continue; }
-    if (c == '\\') { out += "\\\\"; ++i; continue; }
-    if (c == '\n') { out += "\\n"; ++i; continue; }
-    if (c == '\r') { out += "\\r"; ++i; continue; }
-    if (c == '\t') { out += "\\t"; ++i; continue; }
-    if (c == '\b') { out += "\\b"; ++i; continue; }
-    if (c == '\f') { out += "\\f"; ++i; continue; }
-    if (c >= 0x20 && c < 0x7f) { out += static_cast<char>(c); ++i; continue; }
-    // Decode one UTF-8 sequence (a stray byte stands for itself).
-    uint32_t cp = c;
-    size_t len = 1;
-    if (c >= 0xF0 && i + 3 < s.size()) {
-      cp = ((c & 0x07u) << 18) | ((s[i + 1] & 0x3Fu) << 12) | ((s[i + 2] & 0x3Fu) << 6) |
-           (s[i + 3] & 0x3Fu);
-      len = 4;
-    } else if (c >= 0xE0 && i + 2 < s.size()) {
-      cp = ((c & 0x0Fu) << 12) | ((s[i + 1] & 0x3Fu) << 6) | (s[i + 2] & 0x3Fu);
-      len = 3;
-    } else if (c >= 0xC0 && i + 1 < s.size()) {
-      cp = ((c & 0x1Fu) << 6) | (s[i + 1] & 0x3Fu);
-      len = 2;
-    }
-    i += len;
-    if (cp >= 0x10000) {  // a surrogate pair, as json.dumps writes it
-      cp -= 0x10000;
-      u(0xD800 + (cp >> 10));
-      u(0xDC00 + (cp & 0x3FF));
-    } else {
-      u(cp);
-    }
-  }
-  return out + "\"";
 }
 
 }  // namespace mesp

@@ -82,8 +82,8 @@ Args parse_args(int argc, char** argv) {
       a.quiet = true;
       continue;
     }
-    static const char* kValued[] = {"--data", "--steps", "--optimizer", "--lr", "--weight-decay",
-                                    "--out", "--threads", "--json-log"};
+    static const char* kValued[] = {"--data",         "--steps", "--optimizer", "--lr",
+                                    "--weight-decay", "--out",   "--threads",   "--json-log"};
     bool known = false;
     for (const char* k : kValued) known = known || arg == k;
     if (!known) throw RunnerError("unknown flag " + arg + " (see --help)");
@@ -91,13 +91,20 @@ Args parse_args(int argc, char** argv) {
       if (i + 1 >= argc) throw RunnerError(arg + " needs a value");
       value = argv[++i];
     }
-    if (arg == "--data") a.data = value;
-    else if (arg == "--out") a.out = value;
-    else if (arg == "--json-log") a.json_log = value;
-    else if (arg == "--steps") a.steps = parse_int(arg, value);
-    else if (arg == "--lr") a.opt.lr = parse_double(arg, value);
-    else if (arg == "--weight-decay") a.opt.weight_decay = parse_double(arg, value);
-    else if (arg == "--threads") a.threads = static_cast<int>(parse_int(arg, value));
+    if (arg == "--data")
+      a.data = value;
+    else if (arg == "--out")
+      a.out = value;
+    else if (arg == "--json-log")
+      a.json_log = value;
+    else if (arg == "--steps")
+      a.steps = parse_int(arg, value);
+    else if (arg == "--lr")
+      a.opt.lr = parse_double(arg, value);
+    else if (arg == "--weight-decay")
+      a.opt.weight_decay = parse_double(arg, value);
+    else if (arg == "--threads")
+      a.threads = static_cast<int>(parse_int(arg, value));
     else if (arg == "--optimizer") {
       if (value != "sgd" && value != "adamw")
         throw RunnerError("--optimizer must be sgd or adamw, not '" + value + "'");
@@ -116,7 +123,9 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
-double mib(uint64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+double mib(uint64_t bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024.0);
+}
 
 int run(int argc, char** argv) {
   const double t0 = now_seconds();
@@ -130,7 +139,8 @@ int run(int argc, char** argv) {
   std::FILE* log = nullptr;
   if (!a.json_log.empty()) {
     log = std::fopen(a.json_log.c_str(), "w");
-    if (log == nullptr) throw RunnerError(a.json_log + ": cannot write (" + std::strerror(errno) + ")");
+    if (log == nullptr)
+      throw RunnerError(a.json_log + ": cannot write (" + std::strerror(errno) + ")");
   }
 
   Programs::set_threads(a.threads);
@@ -146,18 +156,24 @@ int run(int argc, char** argv) {
     const MemInfo m = mem_info();
     if (!a.quiet) {
       char shown[64];
-      if (loss) std::snprintf(shown, sizeof shown, "%.6f", *loss);
-      else std::snprintf(shown, sizeof shown, "skipped (no trained token)");
+      if (loss)
+        std::snprintf(shown, sizeof shown, "%.6f", *loss);
+      else
+        std::snprintf(shown, sizeof shown, "skipped (no trained token)");
       std::printf("step %lld loss %s time %.3fs peak_rss %.1fMiB anon %.1fMiB\n",
                   static_cast<long long>(k), shown, dt, mib(m.peak_rss), mib(trainer.peak_anon()));
       std::fflush(stdout);
     }
     if (log != nullptr) {
       char shown[64];
-      if (loss) std::snprintf(shown, sizeof shown, "%.17g", *loss);
-      else std::snprintf(shown, sizeof shown, "null");
-      std::fprintf(log, "{\"step\": %lld, \"loss\": %s, \"time_s\": %.6f, \"peak_rss_bytes\": %llu, "
-                   "\"anon_bytes\": %llu}\n", static_cast<long long>(k), shown, dt,
+      if (loss)
+        std::snprintf(shown, sizeof shown, "%.17g", *loss);
+      else
+        std::snprintf(shown, sizeof shown, "null");
+      std::fprintf(log,
+                   "{\"step\": %lld, \"loss\": %s, \"time_s\": %.6f, \"peak_rss_bytes\": %llu, "
+                   "\"anon_bytes\": %llu}\n",
+                   static_cast<long long>(k), shown, dt,
                    static_cast<unsigned long long>(m.peak_rss),
                    static_cast<unsigned long long>(trainer.peak_anon()));
       std::fflush(log);
@@ -165,9 +181,11 @@ int run(int argc, char** argv) {
   }
   trainer.save(a.out);
   const MemInfo m = mem_info();
-  std::printf("saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB); planned memory %.1f MiB\n",
-              a.out.c_str(), static_cast<long long>(a.steps), now_seconds() - t0, mib(m.peak_rss),
-              mib(trainer.peak_anon()), mib(programs.planned_bytes()));
+  std::printf(
+      "saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB); planned memory %.1f "
+      "MiB\n",
+      a.out.c_str(), static_cast<long long>(a.steps), now_seconds() - t0, mib(m.peak_rss),
+      mib(trainer.peak_anon()), mib(programs.planned_bytes()));
   std::fflush(stdout);
   if (log != nullptr) std::fclose(log);
   return 0;

@@ -1,8 +1,6 @@
 // POSIX implementation of platform.h (Linux, Android, macOS, iOS). The only file of the runner
 // that includes OS headers. /proc/self/status exists on Linux and Android only; elsewhere the
 // memory numbers read 0.
-#include "platform.h"
-
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -15,6 +13,8 @@
 #include <cstring>
 #include <fstream>
 #include <utility>
+
+#include "platform.h"
 
 namespace mesp {
 

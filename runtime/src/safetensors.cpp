@@ -42,15 +42,16 @@ StHeader parse_header(const std::string& path, const std::string& text, uint64_t
     const Json* dt = v.find("dtype");
     const Json* sh = v.find("shape");
     const Json* off = v.find("data_offsets");
-    if (dt == nullptr || !dt->is_string() || sh == nullptr || !sh->is_array() ||
-        off == nullptr || !off->is_array() || off->items().size() != 2)
+    if (dt == nullptr || !dt->is_string() || sh == nullptr || !sh->is_array() || off == nullptr ||
+        !off->is_array() || off->items().size() != 2)
       bad(path, "tensor '" + name + "' needs dtype, shape and data_offsets");
     StEntry e;
     e.dtype = dt->as_string();
     int64_t count = 1;
     for (const Json& d : sh->items()) {
       // Bounded so that numel * element size cannot overflow 64 bits.
-      if (!d.is_int() || d.as_int() < 0 || (d.as_int() > 0 && count > (int64_t(1) << 56) / d.as_int()))
+      if (!d.is_int() || d.as_int() < 0 ||
+          (d.as_int() > 0 && count > (int64_t(1) << 56) / d.as_int()))
         bad(path, "tensor '" + name + "' has a bad shape");
       count *= d.as_int();
       e.shape.push_back(d.as_int());

@@ -33,8 +33,14 @@ class Buffer {
   uint8_t* data() { return data_; }
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
-  template <class T> T* as() { return reinterpret_cast<T*>(data_); }
-  template <class T> const T* as() const { return reinterpret_cast<const T*>(data_); }
+  template <class T>
+  T* as() {
+    return reinterpret_cast<T*>(data_);
+  }
+  template <class T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(data_);
+  }
 
  private:
   uint8_t* data_ = nullptr;

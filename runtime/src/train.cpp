@@ -7,40 +7,14 @@
 
 #include "error.h"
 #include "platform.h"
+#include "train_util.h"
 
 namespace mesp {
 
+using namespace train_util;
+
 namespace {
 const std::string kPeft = "base_model.model.model.layers.";
-
-bool starts(const std::string& s, const std::string& prefix, std::string* rest) {
-  if (s.compare(0, prefix.size(), prefix) != 0) return false;
-  *rest = s.substr(prefix.size());
-  return true;
-}
-
-// A program input accepts `r` when dtypes match and every dim equals the spec's (a dynamic dim:
-// at most the spec's upper bound).
-bool fits(const IoSpec& spec, const TensorRef& r) {
-  if (spec.dtype != r.dtype || spec.shape.size() != r.shape.size()) return false;
-  for (size_t d = 0; d < r.shape.size(); ++d) {
-    if (spec.is_dynamic(d) ? r.shape[d] > spec.shape[d] : r.shape[d] != spec.shape[d]) return false;
-  }
-  return true;
-}
-
-TensorRef ref(HostTensor& t) { return TensorRef{t.dtype, t.shape, t.buf.data()}; }
-TensorRef ref(DType t, Shape s, void* data = nullptr) { return TensorRef{t, std::move(s), data}; }
-
-// Copies a program output into a runner-owned tensor of the same size.
-void copy_out(const TensorRef& from, HostTensor& to, const std::string& what) {
-  if (from.dtype != to.dtype || from.nbytes() != to.nbytes())
-    throw RunnerError(what + " came back as " + dtype_name(from.dtype) + shape_str(from.shape) +
-                      ", expected " + dtype_name(to.dtype) + shape_str(to.shape));
-  if (to.nbytes() > 0) std::memmove(to.buf.data(), from.data, to.nbytes());
-}
-
-float* f32(HostTensor& t) { return t.buf.as<float>(); }
 }  // namespace
 
 Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::move(opt)) {
@@ -70,10 +44,12 @@ Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::m
       max_lora_numel_ = std::max(max_lora_numel_, numel(l.p.shape));
       lora_[i].push_back(std::move(l));
     }
-    if (lora_[i].empty()) throw RunnerError("block " + std::to_string(i) + ": its program takes no LoRA tensor");
+    if (lora_[i].empty())
+      throw RunnerError("block " + std::to_string(i) + ": its program takes no LoRA tensor");
   }
 
-  auto check = [&](const std::string& prog, int block, const std::map<std::string, TensorRef>& named) {
+  auto check = [&](const std::string& prog, int block,
+                   const std::map<std::string, TensorRef>& named) {
     bind(prog, block, named, false);
   };
   auto need_out = [&](const std::string& prog, const std::string& name, DType t, const Shape& s) {
@@ -92,7 +68,8 @@ Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::m
     need_out(fn + ".forward", "y", act, act_shape);
     check(fn + ".backward", static_cast<int>(i), {{"x", a}, {"dy", a}});
     need_out(fn + ".backward", "dx", act, act_shape);
-    for (const Lora& l : lora_[i]) need_out(fn + ".backward", "grad/" + l.key, l.p.dtype, l.p.shape);
+    for (const Lora& l : lora_[i])
+      need_out(fn + ".backward", "grad/" + l.key, l.p.dtype, l.p.shape);
   }
   check("loss", -1, {{"h", a}, {"rows", n_rows}, {"tgt", n_rows}, {"norm", scalar}});
   need_out("loss", "dh", act, act_shape);
@@ -104,14 +81,24 @@ Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::m
   if (o == "sgd") {
     check("sgd", -1, {{"p", flat}, {"g", flat}, {"lr", scalar}, {"weight_decay", scalar}});
   } else {
-    check("adamw", -1, {{"p", flat}, {"g", flat}, {"m", flat}, {"v", flat}, {"decay", scalar},
-                        {"one_minus_beta1", scalar}, {"beta2", scalar}, {"one_minus_beta2", scalar},
-                        {"step_size", scalar}, {"bc2_sqrt", scalar}, {"eps", scalar}});
+    check("adamw", -1,
+          {{"p", flat},
+           {"g", flat},
+           {"m", flat},
+           {"v", flat},
+           {"decay", scalar},
+           {"one_minus_beta1", scalar},
+           {"beta2", scalar},
+           {"one_minus_beta2", scalar},
+           {"step_size", scalar},
+           {"bc2_sqrt", scalar},
+           {"eps", scalar}});
   }
   for (const auto& block : lora_)
     for (const Lora& l : block)
       if (l.p.dtype != DType::F32)
-        throw RunnerError(art.path(art.lora_init) + ": LoRA tensors must be F32 (the optimizer programs are)");
+        throw RunnerError(art.path(art.lora_init) +
+                          ": LoRA tensors must be F32 (the optimizer programs are)");
 
   ids_ = HostTensor(DType::I64, {B, S});
   rows_ = HostTensor(DType::I64, {B * S});
@@ -127,7 +114,8 @@ Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::m
 // then weights/, ctx/ and lora/ from their files. Before prepare() (with_data false) only the
 // dtypes and shapes are known, from run_config.json's tables: that is the up-front check.
 std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
-                                     const std::map<std::string, TensorRef>& named, bool with_data) {
+                                     const std::map<std::string, TensorRef>& named,
+                                     bool with_data) {
   const ProgramSpec& spec = art_.program(prog);
   std::vector<TensorRef> out;
   for (const IoSpec& in : spec.inputs) {
@@ -157,8 +145,10 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
       if (with_data) {
         auto t = file->header().tensors.find(key);
         if (t == file->header().tensors.end())
-          throw RunnerError(file->path() + ": no tensor '" + key + "' (program " + prog + " needs it)");
-        r = ref(dtype_from_name(t->second.dtype), t->second.shape, const_cast<uint8_t*>(file->data(key)));
+          throw RunnerError(file->path() + ": no tensor '" + key + "' (program " + prog +
+                            " needs it)");
+        r = ref(dtype_from_name(t->second.dtype), t->second.shape,
+                const_cast<uint8_t*>(file->data(key)));
         // safetensors' own writer keeps data aligned; a file from another writer may not be,
         // and kernels may assume aligned elements: such a tensor is copied.
         const size_t esize = dtype_size(r.dtype);
@@ -170,7 +160,8 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
       } else {
         auto t = art_.files.at(rel).find(key);
         if (t == art_.files.at(rel).end())
-          throw RunnerError(art_.path(rel) + ": no tensor '" + key + "' (program " + prog + " needs it)");
+          throw RunnerError(art_.path(rel) + ": no tensor '" + key + "' (program " + prog +
+                            " needs it)");
         r = ref(t->second.dtype, t->second.shape);
       }
     } else if (starts(in.name, "lora/", &rest)) {
@@ -178,16 +169,18 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
       for (Lora& x : lora_[static_cast<size_t>(block)])
         if (x.key == rest) l = &x;
       if (l == nullptr)
-        throw RunnerError(art_.path(spec.pte) + ": input " + in.name + " is no LoRA tensor of block " +
-                          std::to_string(block));
+        throw RunnerError(art_.path(spec.pte) + ": input " + in.name +
+                          " is no LoRA tensor of block " + std::to_string(block));
       r = with_data ? ref(l->p) : ref(l->p.dtype, l->p.shape);
     } else {
-      throw RunnerError(art_.path(spec.pte) + ": input '" + in.name + "' is not one the runner knows");
+      throw RunnerError(art_.path(spec.pte) + ": input '" + in.name +
+                        "' is not one the runner knows");
     }
     if (!fits(in, r))
       throw RunnerError(art_.path(spec.pte) + ": input " + in.name + " is " + dtype_name(in.dtype) +
                         shape_str(in.shape) + " but its data is " + dtype_name(r.dtype) +
-                        shape_str(r.shape) + (block >= 0 ? " (block " + std::to_string(block) + ")" : ""));
+                        shape_str(r.shape) +
+                        (block >= 0 ? " (block " + std::to_string(block) + ")" : ""));
     out.push_back(r);
   }
   return out;
@@ -209,7 +202,9 @@ const TensorRef& Trainer::output(const std::vector<TensorRef>& outs, const std::
   throw RunnerError(art_.path(spec.pte) + ": no output " + name);
 }
 
-void Trainer::sample_memory() { peak_anon_ = std::max(peak_anon_, mem_info().rss_anon); }
+void Trainer::sample_memory() {
+  peak_anon_ = std::max(peak_anon_, mem_info().rss_anon);
+}
 
 void Trainer::prepare(Programs& programs) {
   programs_ = &programs;
@@ -275,53 +270,14 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
     outs = run(prog, static_cast<int>(i), {{"x", ref(checkpoints_[i])}, {"dy", ref(g_)}});
     block_.release();
     copy_out(output(outs, prog, "dx"), g_, prog + ": dx");
-    for (Lora& l : lora_[i]) copy_out(output(outs, prog, "grad/" + l.key), l.g, prog + ": grad/" + l.key);
+    for (Lora& l : lora_[i])
+      copy_out(output(outs, prog, "grad/" + l.key), l.g, prog + ": grad/" + l.key);
   }
   if (!std::isfinite(loss))
-    throw RunnerError("non-finite loss at step " + std::to_string(k) + "; no adapter written (lower --lr?)");
+    throw RunnerError("non-finite loss at step " + std::to_string(k) +
+                      "; no adapter written (lower --lr?)");
   optimizer_step();
   return loss;
-}
-
-void Trainer::optimizer_step() {
-  const double lr = opt_.lr, wd = opt_.weight_decay;
-  const int64_t t = ++opt_steps_;
-  const bool adamw = opt_.optimizer == "adamw";
-  std::map<std::string, TensorRef> named;
-  auto scalar = [&](int slot, const char* name, double v) {
-    *f32(scalars_[slot]) = static_cast<float>(v);  // computed in double, then cast
-    named[name] = ref(scalars_[slot]);
-  };
-  if (adamw) {
-    scalar(0, "decay", 1.0 - lr * wd);
-    scalar(1, "one_minus_beta1", 1.0 - 0.9);
-    scalar(2, "beta2", 0.999);
-    scalar(3, "one_minus_beta2", 1.0 - 0.999);
-    scalar(4, "step_size", lr / (1.0 - std::pow(0.9, static_cast<double>(t))));
-    scalar(5, "bc2_sqrt", std::sqrt(1.0 - std::pow(0.999, static_cast<double>(t))));
-    scalar(6, "eps", 1e-8);
-  } else {
-    scalar(0, "lr", lr);
-    scalar(1, "weight_decay", wd);
-  }
-  const std::string prog = adamw ? "adamw" : "sgd";
-  for (auto& block : lora_) {
-    for (Lora& l : block) {
-      const Shape flat = {l.p.numel()};
-      named["p"] = TensorRef{l.p.dtype, flat, l.p.buf.data()};
-      named["g"] = TensorRef{l.g.dtype, flat, l.g.buf.data()};
-      if (adamw) {
-        named["m"] = TensorRef{l.m.dtype, flat, l.m.buf.data()};
-        named["v"] = TensorRef{l.v.dtype, flat, l.v.buf.data()};
-      }
-      auto outs = run(prog, -1, named);
-      copy_out(output(outs, prog, "p"), l.p, prog + ": p");
-      if (adamw) {
-        copy_out(output(outs, prog, "m"), l.m, prog + ": m");
-        copy_out(output(outs, prog, "v"), l.v, prog + ": v");
-      }
-    }
-  }
 }
 
 }  // namespace mesp

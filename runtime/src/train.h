@@ -57,12 +57,12 @@ class Trainer {
   const Artifacts& art_;
   OptimConfig opt_;
   Programs* programs_ = nullptr;
-  StFile embed_, head_, ctx_;  // resident for the whole run
-  StFile block_;               // the one block whose weights are mapped now
+  StFile embed_, head_, ctx_;            // resident for the whole run
+  StFile block_;                         // the one block whose weights are mapped now
   std::vector<std::vector<Lora>> lora_;  // per block, in the forward program's input order
   std::vector<HostTensor> checkpoints_;  // block inputs x_i
   HostTensor ids_, rows_, tgt_, norm_, h_, g_;
-  HostTensor scalars_[8];  // 0-d f32 optimizer inputs
+  HostTensor scalars_[8];        // 0-d f32 optimizer inputs
   std::vector<Buffer> scratch_;  // aligned copies of misaligned mapped tensors, for one run
   int64_t opt_steps_ = 0;
   int64_t max_lora_numel_ = 0;
