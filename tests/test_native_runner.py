@@ -360,3 +360,11 @@ def test_missing_data_and_out_a_file(runner_bin: Path, artifacts: Path, tmp_path
     r = _run(runner_bin, artifacts, data, f)
     assert r.returncode == 2 and r.stderr.startswith("mesp-runner: error: ") and "not a directory" in r.stderr
     assert f.read_text() == "x"
+
+
+def test_non_finite_loss_writes_no_adapter(runner_bin: Path, artifacts: Path, tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts))
+    out = tmp_path / "adapter"
+    r = _run(runner_bin, artifacts, data, out, "--lr", "1e30", steps=4)
+    _refused(r, out, "non-finite loss at step", "no adapter written")
+    assert not out.exists()
