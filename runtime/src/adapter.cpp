@@ -77,7 +77,8 @@ void Trainer::save(const std::string& out) const {
       tensors.push_back(
           StOut{"base_model.model.model.layers." + std::to_string(i) + "." + l.key + ".weight",
                 l.p.dtype, l.p.shape, l.p.buf.data(), l.p.nbytes()});
-  const std::string model_bytes = st_serialize(std::move(tensors), {{"format", "pt"}});
+  // No metadata: byte for byte the file safetensors' save_file(tensors) writes in runner.py.
+  const std::string model_bytes = st_serialize(std::move(tensors), {});
 
   std::string why;
   if (!make_dirs(out, why) || !write_atomic(out + "/adapter_model.safetensors", model_bytes, why) ||
