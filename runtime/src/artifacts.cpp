@@ -161,10 +161,11 @@ Artifacts load_artifacts(const std::string& root) {
   if (!is_dir(root)) throw RunnerError(root + ": not an artifact directory");
   if (file_size(cp) < 0) throw RunnerError(cp + ": missing (not a `mesp export` directory?)");
   std::ifstream f(cp, std::ios::binary);
+  if (!f) throw RunnerError(cp + ": unreadable (cannot open it)");
   std::stringstream ss;
   ss << f.rdbuf();
   std::string why;
-  if (!f || !Json::parse(ss.str(), a.conf, why)) throw RunnerError(cp + ": unreadable: " + why);
+  if (!Json::parse(ss.str(), a.conf, why)) throw RunnerError(cp + ": unreadable: " + why);
   const Json& c = a.conf;
   Conf k{cp};
   const Json* fmt = c.find("format");

@@ -130,7 +130,10 @@ double mib(uint64_t bytes) {
 int run(int argc, char** argv) {
   const double t0 = now_seconds();
   Args a = parse_args(argc, argv);
+  std::string why;
   if (file_size(a.out) >= 0) throw RunnerError(a.out + ": exists and is not a directory");
+  if (!dir_writable(a.out, why))
+    throw RunnerError(a.out + ": cannot write the adapter there (" + why + ")");
 
   // Everything cheap first: config, file headers, hashes, data, program bindings.
   Artifacts art = load_artifacts(a.dir);

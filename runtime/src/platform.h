@@ -37,6 +37,9 @@ bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& ou
 // Size of a regular file, or -1 (not found / not a regular file).
 int64_t file_size(const std::string& path);
 bool is_dir(const std::string& path);
+// Whether `path` could be created or written as a directory: it is a writable directory, or
+// does not exist and its nearest existing ancestor is one. False with `why` otherwise.
+bool dir_writable(const std::string& path, std::string& why);
 // mkdir -p; false with `why` on failure.
 bool make_dirs(const std::string& path, std::string& why);
 // Writes `bytes` to a temp file beside `path`, fsyncs it, renames it over `path`, fsyncs the

@@ -119,6 +119,36 @@ bool is_dir(const std::string& path) {
   return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+static std::string parent_of(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+bool dir_writable(const std::string& path, std::string& why) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  struct stat st;
+  while (stat(p.c_str(), &st) != 0) {
+    if (errno != ENOENT) {
+      why = p + ": " + std::strerror(errno);
+      return false;
+    }
+    std::string up = parent_of(p);
+    if (up == p) break;
+    p = up;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    why = p + ": not a directory";
+    return false;
+  }
+  if (access(p.c_str(), W_OK | X_OK) != 0) {
+    why = p + ": " + std::strerror(errno);
+    return false;
+  }
+  return true;
+}
+
 bool make_dirs(const std::string& path, std::string& why) {
   for (size_t i = 1; i <= path.size(); ++i) {
     if (i < path.size() && path[i] != '/') continue;
@@ -133,12 +163,6 @@ bool make_dirs(const std::string& path, std::string& why) {
     return false;
   }
   return true;
-}
-
-static std::string parent_of(const std::string& path) {
-  size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
 }
 
 bool write_atomic(const std::string& path, const std::string& bytes, std::string& why) {
