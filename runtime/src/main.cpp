@@ -129,6 +129,7 @@ double mib(uint64_t bytes) {
 
 int run(int argc, char** argv) {
   const double t0 = now_seconds();
+  on_interrupt_exit();
   Args a = parse_args(argc, argv);
   std::string why;
   if (file_size(a.out) >= 0) throw RunnerError(a.out + ": exists and is not a directory");

@@ -53,6 +53,10 @@ struct MemInfo {
 };
 MemInfo mem_info();
 
+// Ctrl-C / SIGTERM: print "mesp-runner: interrupted; no adapter written" and exit 130, as the
+// Python runner does (the adapter is only ever renamed into place whole).
+void on_interrupt_exit();
+
 // Seconds from a monotonic clock.
 double now_seconds();
 
