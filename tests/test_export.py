@@ -183,7 +183,7 @@ def test_runner_runs_without_the_mesp_package(cases, tmp_path: Path) -> None:  #
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    printed = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("step")]
+    printed = [float(line.split()[3]) for line in r.stdout.splitlines() if line.startswith("step")]
     ref = _engine_run(case, rows, 3)
     assert max(abs(a - b) for a, b in zip(printed, ref, strict=True)) <= 1e-6
     # The adapter is PEFT-format; attached to a fresh model it holds the engine's weights.

@@ -10,14 +10,12 @@ export directory instead (copied, never modified).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,56 +32,12 @@ SAVED_LINE = re.compile(
 )
 
 
-def _executorch_dir() -> Path | None:
-    spec = importlib.util.find_spec("executorch")
-    for d in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(d) / "include" / "executorch").is_dir():
-            return Path(d)
-    return None
-
-
 @pytest.fixture(scope="session")
-def runner_bin() -> Path:
-    """scripts/build-ondevice, once per session, against this interpreter's venv."""
-    if _executorch_dir() is None:
-        pytest.skip("executorch (with its C++ headers and libraries) is not installed")
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake is not installed")
-    env = {**os.environ, "MESP_VENV": sys.prefix}
-    r = subprocess.run(
-        [str(ROOT / "scripts" / "build-ondevice")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, f"build-ondevice failed:\n{r.stdout}\n{r.stderr}"
-    assert BIN.is_file()
-    return BIN
-
-
-@pytest.fixture(scope="session")
-def artifacts(tmp_path_factory: pytest.TempPathFactory, runner_bin: Path) -> Path:
-    """An export directory with an "executorch" section (read-only: tests copy it)."""
+def artifacts(et_cases) -> Path:  # type: ignore[no-untyped-def]
+    """An export directory with an "executorch" section (read-only: tests copy it): the tiny
+    4-bit Qwen2 that tests/test_ondevice_et.py also trains, or MESP_ET_ARTIFACTS=DIR."""
     given = os.environ.get("MESP_ET_ARTIFACTS")
-    if given:
-        return Path(given)
-    from mesp.ondevice.export import ExportOptions, export_model
-
-    if "target" not in getattr(ExportOptions, "__dataclass_fields__", {}):
-        pytest.skip("this tree's exporter has no --target executorch (set MESP_ET_ARTIFACTS)")
-    import torch
-
-    from tests.engine_cases import model_with_adapter
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("et") / "art"
-    export_model(
-        model_with_adapter("llama"),
-        out,
-        ExportOptions(seq_len=8, batch_size=2, target="executorch"),
-    )
-    return out
+    return Path(given) if given else et_cases("qwen2", "q4").dir
 
 
 def _conf(d: Path) -> dict:

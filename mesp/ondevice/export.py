@@ -46,6 +46,8 @@ from mesp.ondevice.programs import (
     LossAndGrad,
     WeightSpec,
     block_forward,
+    block_parts,
+    frozen_tensors,
 )
 from mesp.ops.attention import _cpu_flash, additive_mask
 
@@ -118,11 +120,6 @@ def _digest(tensors: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
-def _frozen(module: torch.nn.Module, prefix: str = "") -> dict[str, Tensor]:
-    """A module's frozen tensors (buffers) under their state-dict names."""
-    return {f"{prefix}{k}": v.contiguous() for k, v in module.named_buffers() if v is not None}
-
-
 def _ws(module: Any, prefix: str) -> WeightSpec:
     return WeightSpec(prefix, module.quant)
 
@@ -168,12 +165,6 @@ def _ctx(model: CausalLM, seq_len: int) -> dict[str, dict[str, Tensor]]:
     return out
 
 
-def _block_parts(block: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(frozen weights, LoRA weights) of a block, keyed as mesp.ondevice.programs expects."""
-    lora = {n: p.detach().contiguous() for n, p in block.named_parameters()}
-    return _frozen(block), lora
-
-
 def _check_model(model: CausalLM) -> tuple[int, float, list[str]]:
     mods = model.lora_modules()
     if not mods:
@@ -200,7 +191,7 @@ def _blocks(model: CausalLM, ctx: dict[str, dict[str, Tensor]]) -> tuple[dict, l
     groups: dict[Any, tuple[str, int]] = {}
     rows, files = [], {}
     for i, block in enumerate(model.layers):
-        w, lora = _block_parts(block)
+        w, lora = block_parts(block)
         bs = BlockSpec.of(model, block, "mask" in ctx[block.layer_type])
         key = (bs, block.layer_type, repr(_table(w)), repr(_table(lora)))
         gid = groups.setdefault(key, (f"g{len(groups)}", i))[0]
@@ -215,11 +206,11 @@ def _edges(model: CausalLM, vocab_chunk: int) -> tuple[EdgeSpec, dict, dict]:
     """The embedding's and the head's spec and frozen tensors (tied: the head is the embedding;
     head.safetensors then holds only the final norm)."""
     cfg = model.config
-    embed_w = _frozen(model.model.embed_tokens, "embed_tokens.")
+    embed_w = frozen_tensors(model.model.embed_tokens, "embed_tokens.")
     head_w = {"norm.weight": model.model.norm.weight.contiguous()}
     head_prefix = "embed_tokens"
     if model.lm_head is not None:
-        head_w.update(_frozen(model.lm_head, "lm_head."))
+        head_w.update(frozen_tensors(model.lm_head, "lm_head."))
         head_prefix = "lm_head"
     es = EdgeSpec(
         embed=_ws(model.model.embed_tokens, "embed_tokens"),
@@ -375,7 +366,7 @@ def _export_functions(
     x = (torch.randn(B, S, hid, generator=g) * 0.5).to(model.dtype)
     fns: dict[str, Any] = {"blocks": {}}
     for (bs, ltype, *_), (gid, i) in groups.items():
-        w, lora = _block_parts(model.layers[i])
+        w, lora = block_parts(model.layers[i])
         c = ctx[ltype]
         with torch.no_grad():
             tape: dict[str, Tensor] = {}

@@ -24,7 +24,7 @@ from torch import Tensor
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ondevice.lower import fnv1a64, io_rows, lower
-from mesp.ondevice.programs import BlockSpec, EdgeSpec
+from mesp.ondevice.programs import BlockSpec, EdgeSpec, block_parts
 from mesp.ondevice.steps import (
     ADAMW_SCALARS,
     Flat,
@@ -71,13 +71,14 @@ class _Programs:
         out_names: list[str],
         dynamic: dict[str, tuple[str, int]] | None = None,
         out_dynamic: dict[str, tuple[str, int]] | None = None,
+        delegate: bool = True,
     ) -> None:
         names, tensors = list(inputs), [t.contiguous() for t in inputs.values()]
         dyn = {names.index(k): v for k, v in (dynamic or {}).items()}
         prog = Flat(fn, names, out_names)
         with torch.no_grad():
             outs = list(prog(*tensors))
-        low = lower(prog, tensors, dyn, self.delegate)
+        low = lower(prog, tensors, dyn, self.delegate and delegate)
         rel = f"pte/{name}.pte"
         self.writer.path(rel).write_bytes(low.pte)
         odyn = {out_names.index(k): v for k, v in (out_dynamic or {}).items()}
@@ -107,8 +108,6 @@ def export_executorch(
     delegate: bool = True,
 ) -> dict[str, Any]:
     """Lower every program of a step; returns run_config.json's "executorch" section."""
-    from mesp.ondevice.export import _block_parts  # the .pt2 exporter's view of a block
-
     if model.dtype != torch.float32:
         raise MespError("--target executorch exports float32 programs: load with --dtype float32")
     S, B, hid = seq_len, batch_size, model.config.hidden_size
@@ -117,7 +116,7 @@ def export_executorch(
     progs = _Programs(writer, delegate)
     max_lora = 1
     for (bs, ltype, *_), (gid, i) in groups.items():
-        w, lora = _block_parts(model.layers[i])
+        w, lora = block_parts(model.layers[i])
         w = edge_weights(w)
         max_lora = max([max_lora, *(t.numel() for t in lora.values())])
         ebs = edge_block_spec(bs, attn_tile)
@@ -150,7 +149,13 @@ def export_executorch(
         "tgt": torch.zeros(n, dtype=torch.long),
         "norm": torch.tensor(float(n)),
     }
-    progs.add("loss", loss_step(ees), loss_in, ["loss", "dh"], rows_d, {"loss": ("rows", B * S)})
+    # The loss runs on ExecuTorch's own kernels: delegated, its plan keeps every vocabulary
+    # slice's dequantized rows and logits alive at once (819.6 MiB at Qwen2.5-0.5B's 151,936
+    # tokens, chunk 8192, whether XNNPACK groups the ops or takes each matmul alone), where the
+    # undelegated program reuses one slice's memory (38.6 MiB at chunk 4096).
+    progs.add(
+        "loss", loss_step(ees), loss_in, ["loss", "dh"], rows_d, {"loss": ("rows", B * S)}, False
+    )
     m = min(max_lora, 5)
     vec = {k: torch.randn(m, generator=g) for k in ("p", "g", "m")}
     vec["v"] = torch.rand(m, generator=g)

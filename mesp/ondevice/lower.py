@@ -63,7 +63,10 @@ def _partitioner() -> Any:
 
 
 def lower(
-    prog: Flat, example: list[Tensor], dynamic: dict[int, tuple[str, int]], delegate: bool = True
+    prog: Flat,
+    example: list[Tensor],
+    dynamic: dict[int, tuple[str, int]],
+    delegate: bool = True,
 ) -> Lowered:
     """torch.export the flat program on `example` (dynamic: input index -> (dim name, max) of its
     dim 0), decompose addmm, lower with XNNPACK (unless `delegate` is False: portable kernels

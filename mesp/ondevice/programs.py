@@ -121,6 +121,17 @@ class BlockSpec:
         )
 
 
+def frozen_tensors(module: torch.nn.Module, prefix: str = "") -> dict[str, Tensor]:
+    """A module's frozen tensors (buffers) under their state-dict names."""
+    return {f"{prefix}{k}": v.contiguous() for k, v in module.named_buffers() if v is not None}
+
+
+def block_parts(block: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(frozen weights, LoRA weights) of a block, keyed as mesp.ondevice.programs expects."""
+    lora = {n: p.detach().contiguous() for n, p in block.named_parameters()}
+    return frozen_tensors(block), lora
+
+
 # ---- the block forward: Block.forward / Attention.forward / MLP.forward, tensors as arguments ----
 
 

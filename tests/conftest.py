@@ -1,0 +1,62 @@
+"""Session fixtures shared by the on-device tests: the native runner's build and the tiny
+ExecuTorch exports (lowering a model takes minutes on 2 cores: each is made once per session)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE_BIN = ROOT / "build" / "ondevice" / "mesp-runner"
+
+
+def executorch_dir() -> Path | None:
+    spec = importlib.util.find_spec("executorch")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(d) / "include" / "executorch").is_dir():
+            return Path(d)
+    return None
+
+
+@pytest.fixture(scope="session")
+def runner_bin() -> Path:
+    """scripts/build-ondevice, once per session, against this interpreter's venv."""
+    if executorch_dir() is None:
+        pytest.skip("executorch (with its C++ headers and libraries) is not installed")
+    if shutil.which("cmake") is None and not (Path(sys.prefix) / "bin" / "cmake").exists():
+        pytest.skip("cmake is not installed")
+    env = {**os.environ, "MESP_VENV": sys.prefix}
+    r = subprocess.run(
+        [str(ROOT / "scripts" / "build-ondevice")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, f"build-ondevice failed:\n{r.stdout}\n{r.stderr}"
+    assert NATIVE_BIN.is_file()
+    return NATIVE_BIN
+
+
+@pytest.fixture(scope="session")
+def et_cases(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """get(family, quant) -> an exported tiny model (tests.et_cases.EtCase), made on first use."""
+    pytest.importorskip("executorch")
+    from tests.et_cases import EtCase, prefetch
+
+    root, made = tmp_path_factory.mktemp("et"), {}
+
+    def get(family: str, quant: str, also: list[tuple[str, str]] | None = None) -> EtCase:
+        """The case; `also`: cases the caller will want next, exported now in parallel."""
+        if (family, quant) not in made:
+            prefetch([(family, quant), *(also or [])], root)
+            made[family, quant] = EtCase(family, quant, root)
+        return made[family, quant]
+
+    return get

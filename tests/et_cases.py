@@ -1,0 +1,68 @@
+"""Tiny models of each family exported with `--target executorch` (see tests/conftest.py).
+
+Lowering takes minutes per model and is single-threaded Python: `prefetch` exports several in
+worker processes, one per core. The models are deterministic (seeded), so the one a test builds
+in-process equals the one a worker exported."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from mesp.ondevice import runner
+from mesp.ondevice.export import ExportOptions, export_model
+from mesp.quant import QuantSpec
+from tests import test_export as T
+
+S, B, TILE = T.S, T.B, 4  # S = 12: three query tiles
+
+
+def _model(family: str, quant: str):  # type: ignore[no-untyped-def]
+    return T.model_with_adapter(family, QuantSpec(4, 32) if quant == "q4" else None)
+
+
+def export_case(family: str, quant: str, out: Path) -> Path:
+    """Export the tiny model to `out` (in a worker or in-process), with one torch thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops on a shared 2-core machine
+    try:
+        vchunk = T.CASES[family][1] or 8192
+        opts = ExportOptions(S, B, vchunk, target="executorch", attn_tile=TILE)
+        export_model(_model(family, quant), out, opts)
+    finally:
+        torch.set_num_threads(n)
+    return out
+
+
+def prefetch(cases: list[tuple[str, str]], root: Path) -> None:
+    """Export every case not yet under root, in parallel worker processes."""
+    todo = [c for c in cases if not (root / f"et_{c[0]}_{c[1]}" / "run_config.json").exists()]
+    if len(todo) < 2:
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(len(todo), os.cpu_count() or 1), mp_context=ctx) as pool:
+        jobs = [pool.submit(export_case, f, q, root / f"et_{f}_{q}") for f, q in todo]
+        for j in jobs:
+            j.result()
+
+
+class EtCase:
+    def __init__(self, family: str, quant: str, root: Path) -> None:
+        self.family = family
+        self.vchunk = T.CASES[family][1] or 8192
+        self.model = _model(family, quant)
+        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.dir = root / f"et_{family}_{quant}"
+        if not (self.dir / "run_config.json").exists():
+            export_case(family, quant, self.dir)
+        self.art = runner.Artifacts(self.dir)
+        self.conf = self.art.conf
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.init[n])
