@@ -16,6 +16,7 @@ from typing import Any
 from mesp.bench import dequant as bench_dequant
 from mesp.bench import dropin as dropin_bench
 from mesp.bench import ladder as bench_ladder
+from mesp.bench import ondevice as bench_ondevice
 from mesp.bench import softmax as bench_softmax
 from mesp.bench.output import load_rows, pyplot
 from mesp.bench.tables import TABLES
@@ -457,6 +458,7 @@ def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
     lines += bench_softmax.section(rows)
     lines += bench_dequant.section(rows)
     lines += dropin_bench.section(rows)
+    lines += bench_ondevice.section(rows)
     comp = composition(rows, dtype)
     if comp:
         lines += ["## What makes up MeSP's peak", "", *comp]

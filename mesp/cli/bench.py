@@ -1,4 +1,4 @@
-"""`mesp bench {table1,...,ladder,softmax,dequant,dropin}`: thin glue from flags to the benchmarks.
+"""`mesp bench {table1,...,ladder,softmax,dequant,dropin,ondevice}`: flags to the benchmarks.
 
 `quick` is table 1 on a tiny 2-layer shape (about a minute; what the tests run); `--quick`
 does the same for any table. Rows accumulate under --out, so tables can be run piece by piece
@@ -28,6 +28,7 @@ TABLE_CHOICES = (
     "softmax",
     "dequant",
     "dropin",
+    "ondevice",
 )
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -142,6 +143,8 @@ def run(ns: argparse.Namespace) -> int:
         return bench_studies.run_dropin(ns)
     if ns.table == "dequant":
         return bench_studies.run_dequant(ns)
+    if ns.table == "ondevice":
+        return bench_studies.run_ondevice(ns)
     if ns.table == "softmax":
         return bench_studies.run_softmax(ns)
     if ns.table == "ladder":

@@ -89,6 +89,29 @@ def run_dequant(ns: argparse.Namespace) -> int:
     )
 
 
+def run_ondevice(ns: argparse.Namespace) -> int:
+    """The native ExecuTorch runner against the in-process engine (mesp/bench/ondevice.py):
+    one row per --shapes entry, at the first --seq and --rank, --steps + 1 steps."""
+    from mesp.bench.ondevice import OndeviceConfig, line, run_ondevice
+
+    if ns.steps < 1:
+        raise MespError("--steps must be >= 1")
+    shapes = ns.shapes or ("qwen2.5-0.5b",)
+    seq, rank = (ns.seq or (256,))[0], (ns.rank or (8,))[0]
+    parts = ["mesp", "bench", "ondevice", "--shapes", ",".join(shapes), "--seq", str(seq)]
+    parts += ["--rank", str(rank), "--steps", str(ns.steps), "--out", str(ns.out)]
+    cmd = shlex.join(parts + (["--markdown", str(ns.markdown)] if ns.markdown else []))
+
+    def measure() -> list[dict[str, Any]]:
+        rows = []
+        for shape in shapes:
+            c = OndeviceConfig(shape=shape, seq=seq, rank=rank, steps=ns.steps + 1)
+            rows += run_ondevice(ns.out, c, cmd, ns.timeout)
+        return rows
+
+    return measure_then_report(ns, measure, line, dtype="float32")
+
+
 def run_dropin(ns: argparse.Namespace) -> int:
     """HF + PEFT, unpatched vs mesp.patch, gradient checkpointing off/on (mesp/bench/dropin.py).
     --quick: the tiny Qwen2 shape at 32 and 64 tokens (seconds, for the tests). --device meta:

@@ -99,11 +99,15 @@ def run_child(
     env_extra: dict[str, str] | None = None,
     timeout: float = 600.0,
     cwd: str | None = None,
+    faithful_malloc: bool = True,
 ) -> dict[str, Any]:
-    """Run `python *argv` with FAITHFUL_MALLOC_ENV (and mesp importable); return the dict the
-    child passed to report(). Raises MespError with the child's last stderr line on failure."""
+    """Run `python *argv` with FAITHFUL_MALLOC_ENV (unless `faithful_malloc` is False: timing
+    rows, where returning every free to the kernel turns temporaries into page faults) and mesp
+    importable; return the dict the child passed to report(). Raises MespError with the child's
+    last stderr line on failure."""
     env = dict(os.environ)
-    env.update(FAITHFUL_MALLOC_ENV)
+    if faithful_malloc:
+        env.update(FAITHFUL_MALLOC_ENV)
     env.update(env_extra or {})
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + path if path else "")

@@ -1,0 +1,199 @@
+"""`mesp bench ondevice`: the native ExecuTorch runner's footprint and step time, beside the
+in-process engine, on the same shapes.
+
+Exports random weights of a named shape (`mesp export --target executorch`, 4-bit, LoRA on the
+seven projections, fp32), trains `steps` SGD steps with the native runner (build/ondevice/
+mesp-runner: no Python, no libtorch) and reads its per-step JSON log: step time, VmHWM and the
+peak RssAnon (anonymous memory: the Linux analogue of iOS phys_footprint, which also leaves the
+clean, file-backed weight mappings out). Then the in-process mesp engine runs the same
+configuration in its own process (mesp.bench.child). Both without glibc's return-every-free
+setting (it turns temporaries into page faults and would slow both). One row per shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesp.bench.output import write_row
+from mesp.errors import MespError
+
+PAPER_MB = 136.2  # MeSP on an iPhone 17 Pro, bf16 LoRA, seq 256 (arXiv 2602.13069)
+
+
+@dataclass
+class OndeviceConfig:
+    shape: str = "qwen2.5-0.5b"
+    seq: int = 256
+    batch: int = 1
+    rank: int = 8
+    bits: int = 4
+    group_size: int = 64
+    steps: int = 4  # the first is a warm-up: medians over the rest
+    lr: float = 1e-4
+
+
+def _export(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
+    """Export (minutes: lowering is single-threaded Python), or reuse the export of a previous
+    run made by the same command (recorded beside it). -> seconds taken, None when reused."""
+    argv = ["-m", "mesp.cli", "export", "--model", f"random:{c.shape}"]
+    argv += ["--quantize", str(c.bits), "--group-size", str(c.group_size), "--dtype", "float32"]
+    argv += ["--rank", str(c.rank), "--seq-len", str(c.seq), "--batch-size", str(c.batch)]
+    argv += ["--target", "executorch", "--out", str(art)]
+    stamp = art.with_name(art.name + ".argv.json")
+    if (art / "run_config.json").is_file() and stamp.is_file():
+        if json.loads(stamp.read_text()) == argv:
+            return None
+    shutil.rmtree(art, ignore_errors=True)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise MespError(f"export failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    stamp.write_text(json.dumps(argv))
+    return time.perf_counter() - t0
+
+
+def _rows(c: OndeviceConfig, vocab: int, path: Path) -> Path:
+    g = torch.Generator().manual_seed(1)
+    n = c.steps * c.batch
+    ids = torch.randint(0, vocab, (n, c.seq + 1), generator=g).tolist()
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in ids))
+    return path
+
+
+def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[str, Any]:
+    from mesp.ondevice.native import binary
+
+    conf = json.loads((art / "run_config.json").read_text())
+    data = _rows(c, conf["model"]["vocab_size"], work / "rows.jsonl")
+    log, out = work / "native.jsonl", work / "adapter"
+    shutil.rmtree(out, ignore_errors=True)
+    argv = [str(binary()), str(art), "--data", str(data), "--steps", str(c.steps)]
+    argv += ["--lr", repr(c.lr), "--out", str(out), "--json-log", str(log), "--quiet"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    if r.returncode != 0:
+        raise MespError(f"native runner failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    times = [s["time_s"] for s in steps[1:]] or [steps[0]["time_s"]]
+    progs = conf["executorch"]["programs"]
+    return {
+        "median_s": statistics.median(times),
+        "steps_s": [s["time_s"] for s in steps],
+        "losses": [s["loss"] for s in steps],
+        "peak_rss_bytes": max(s["peak_rss_bytes"] for s in steps),
+        "peak_anon_bytes": max(s["anon_bytes"] for s in steps),
+        "planned_bytes": {k: sum(v["planned_bytes"]) for k, v in progs.items()},
+        "summary": r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "",
+    }
+
+
+def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
+    from mesp.bench.child import ChildConfig
+    from mesp.memory.rss import run_child
+
+    cc = ChildConfig(
+        variant="mesp",
+        engine="mesp",
+        shape=c.shape,
+        seq=c.seq,
+        batch=c.batch,
+        rank=c.rank,
+        bits=c.bits,
+        group_size=c.group_size,
+        dtype="float32",
+        warmup=1,
+        steps=max(1, c.steps - 1),
+    )
+    argv = ["-m", "mesp.bench.child", json.dumps(asdict(cc))]
+    res = run_child(argv, timeout=timeout, faithful_malloc=False)
+    if res.get("status") != "ok":
+        raise MespError(f"engine child: {res.get('reason', res.get('status'))}")
+    return {
+        "median_s": res["time"]["median_s"],
+        "peak_rss_bytes": res["rss"]["peak_bytes"],
+        "exact": res["exact"],
+    }
+
+
+def run_ondevice(
+    out: Path, c: OndeviceConfig, cmd: str, timeout: float = 3600.0
+) -> list[dict[str, Any]]:
+    work = out / "runs" / f"ondevice-{c.shape}"
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    export_s = _export(c, work / "art", timeout)
+    native = _native(c, work / "art", work, timeout)
+    engine = _engine(c, timeout)
+    row = {
+        "table": "ondevice",
+        "status": "ok",
+        "config": asdict(c),
+        "export_s": export_s,
+        "native": native,
+        "engine": engine,
+        "command": cmd,
+        "load_before": load,
+    }
+    return [write_row(out / "rows" / "ondevice" / f"{c.shape}.json", row, line, "ondevice")]
+
+
+def line(r: dict[str, Any]) -> str:
+    n, e = r["native"], r["engine"]
+    return (
+        f"{r['config']['shape']}: native {n['median_s']:.2f} s/step, peak anon "
+        f"{n['peak_anon_bytes'] / 1e6:.1f} MB (VmHWM {n['peak_rss_bytes'] / 1e6:.1f} MB); "
+        f"engine {e['median_s']:.2f} s/step, peak RSS {e['peak_rss_bytes'] / 1e6:.1f} MB"
+    )
+
+
+def section(rows: list[dict[str, Any]]) -> list[str]:
+    ok = [r for r in rows if r.get("table") == "ondevice" and r.get("status") == "ok"]
+    if not ok:
+        return []
+    lines = [
+        "## On the device: the native ExecuTorch runner",
+        "",
+        "`mesp export --target executorch` programs trained by build/ondevice/mesp-runner "
+        "(C++, no Python, no libtorch), SGD, beside the in-process mesp engine on the same "
+        "configuration (fp32, every block recomputed). Peak anon = the largest RssAnon the "
+        "runner saw (anonymous memory, the analogue of iOS phys_footprint); VmHWM also counts "
+        "the mapped weight files and libraries. Times: median of the steps after the first.",
+        "",
+        "| shape | seq | bits | native s/step | engine s/step | native / engine | peak anon MB "
+        f"| vs paper {PAPER_MB} MB | native VmHWM MB | engine peak RSS MB | largest planned MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ok:
+        c, n, e = r["config"], r["native"], r["engine"]
+        anon = n["peak_anon_bytes"] / 1e6
+        big = max(n["planned_bytes"].items(), key=lambda kv: kv[1])
+        lines.append(
+            f"| {c['shape']} | {c['seq']} | {c['bits']} | {n['median_s']:.2f} | "
+            f"{e['median_s']:.2f} | {n['median_s'] / e['median_s']:.2f} | {anon:.1f} | "
+            f"{anon / PAPER_MB:.2f}x | {n['peak_rss_bytes'] / 1e6:.1f} | "
+            f"{e['peak_rss_bytes'] / 1e6:.1f} | {big[1] / 1e6:.1f} ({big[0]}) |"
+        )
+    r = ok[0]
+    planned = ", ".join(
+        f"{k} {v / 1e6:.1f}" for k, v in sorted(r["native"]["planned_bytes"].items())
+    )
+    lines += [
+        "",
+        f"Planned memory per program (MB), {r['config']['shape']}: {planned}.",
+        "Targets: peak anon ≤ 136 MB, native step ≤ 1.3× the engine's.",
+        "",
+    ]
+    return lines
+
+
+__all__ = ["OndeviceConfig", "line", "run_ondevice", "section"]
