@@ -18,6 +18,7 @@ from mesp.batch import Batch
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import CEOptions
+from mesp.ops.matmul import linear
 from mesp.ops.sampled_softmax import check_subset, choose_subset, subset_head
 
 IGNORE = -100
@@ -96,7 +97,7 @@ def autograd_loss_sum(
         del trained
         w, local = subset_head(head, subset, tgt.clamp(min=0), hs.dtype)
         tgt = torch.where(tgt.to(dev) != IGNORE, local, IGNORE)
-        z = hs @ w.t()  # (rows, |S|)
+        z = linear(hs, w)  # (rows, |S|)
         cap = model.config.final_logit_softcapping
         z = (torch.tanh(z / cap) * cap if cap else z) + bias
     # per-row losses in fp32, their sum in fp64 (as the chunked CE): the reported loss then

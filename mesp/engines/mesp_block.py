@@ -10,6 +10,7 @@ from mesp.models.linear import Linear
 from mesp.models.transformer import MLP, Block, RMSNorm, SeqContext, Tape
 from mesp.ops.attention import attention_bwd, fwd_matches_attention
 from mesp.ops.lora_linear import lora_linear_backward
+from mesp.ops.matmul import linear, matmul
 from mesp.ops.mlp import gated_act, gated_act_backward
 from mesp.ops.norm import rms_norm_backward
 from mesp.ops.rope import apply_rope_backward
@@ -32,7 +33,7 @@ def _lin_bwd(
 ) -> Tensor | None:
     """dx of one linear (LoRA or plain frozen); adapter gradients accumulate in place."""
     if mod.lora_A is None or mod.lora_B is None:
-        return dy @ mod.dense(dy.dtype) if need_dx else None
+        return matmul(dy, mod.dense(dy.dtype)) if need_dx else None
     gA, gB = _grad(mod.lora_A), _grad(mod.lora_B)
     return lora_linear_backward(
         dy, x, mod, mod.lora_A, mod.lora_B, mod.lora_scale, gA, gB, need_dx, h
@@ -59,15 +60,15 @@ def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
         "gate_proj": mlp.gate_proj,
         "up_proj": mlp.up_proj,
     }
-    hs = {k: x @ mods[k].lora_A.t() for k, x in inputs.items() if mods[k].lora_A is not None}
+    hs = {k: linear(x, mods[k].lora_A) for k, x in inputs.items() if mods[k].lora_A is not None}
     a_down = mlp.down_proj.lora_A
     if a_down is None:
         return hs
     if "gate" in tape:
-        hs["down_proj"] = gated_act(tape["gate"], tape["up"], mlp.act) @ a_down.t()
+        hs["down_proj"] = linear(gated_act(tape["gate"], tape["up"], mlp.act), a_down)
         return hs
     n2 = tape["n2"].reshape(-1, tape["n2"].shape[-1])  # tiled MLP: down's input per tile
-    parts = [mlp.inner(n2[sl]) @ a_down.t() for sl in mlp.tiles(n2.shape[0])]
+    parts = [linear(mlp.inner(n2[sl]), a_down) for sl in mlp.tiles(n2.shape[0])]
     hs["down_proj"] = torch.cat(parts).view(b, s, -1)
     return hs
 

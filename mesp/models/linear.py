@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mesp.ops.matmul import linear, matmul
 from mesp.quant import QuantSpec, dequantize, dequantize_gather, dequantize_rows, quantize
 
 log = logging.getLogger("mesp")
@@ -99,7 +100,7 @@ class _FrozenMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, fw: FrozenWeight) -> Tensor:  # type: ignore[override]
-        return F.linear(x, fw.dense(x.dtype))
+        return linear(x, fw.dense(x.dtype))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -107,14 +108,14 @@ class _FrozenMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return dy @ ctx.fw.dense(dy.dtype), None
+        return matmul(dy, ctx.fw.dense(dy.dtype)), None
 
 
 def frozen_matmul(x: Tensor, fw: FrozenWeight) -> Tensor:
     """x (..., in) -> (..., out). Autograd keeps no activation and no dequantized weight."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _FrozenMatmul.apply(x, fw)
-    return F.linear(x, fw.dense(x.dtype))
+    return linear(x, fw.dense(x.dtype))
 
 
 class Linear(FrozenWeight):
@@ -153,5 +154,5 @@ class Linear(FrozenWeight):
         if self.bias is not None:
             y = y + self.bias
         if self.lora_A is not None:
-            y = y + self.lora_scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+            y = y + self.lora_scale * linear(linear(x, self.lora_A), self.lora_B)
         return y

@@ -8,6 +8,9 @@ reads kv head h // (H/KV)), accept fp64/fp32/bf16/fp16 (lse fp32, fp64 for fp64)
 additive mask (bool is rejected). `is_causal` is top-left aligned, as in `F.sdpa`. A masked call
 does not skip fully masked blocks, so a sliding window costs as much as full attention.
 Elsewhere (CUDA, MPS, or a torch without the op): an exact query-chunked fallback.
+bf16 / fp16 on a CPU without a low-precision GEMM (`ops.matmul.computes_in_fp32`): the flash
+kernels run on fp32 copies and out, dq, dk, dv are rounded once; the autograd path then goes
+through the same forward / backward pair, so bp's attention gradients are mesp's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mesp.ops.matmul import computes_in_fp32
 
 _OPS = torch.ops.aten
 
@@ -36,6 +41,11 @@ def attention(
 ) -> Tensor:
     """q (B, H, S, D), k/v (B, KV, T, D) -> (B, H, S, D). Causal unless an explicit mask is
     given; `causal=False` for single-token decoding against a KV cache."""
+    if computes_in_fp32(q) and _use_flash(q, "auto"):
+        causal = mask is None and causal and q.shape[2] > 1
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _Fp32Attention.apply(q, k, v, scale, mask, causal)
+        return _flash_fwd(q, k, v, scale, mask, causal)[0]
     if q.is_meta and _cpu_flash()[1]:  # what CPU SDPA dispatches to (math would be L×L)
         m = None if mask is None else _flash_mask(mask, q.dtype)
         causal = mask is None and causal and q.shape[2] > 1
@@ -110,13 +120,26 @@ def attention_fwd(
     (fp64 for fp64 input). Causal when mask is None, else exactly `mask` (bool, True = attend,
     or additive float), which must leave every query at least one key."""
     if _use_flash(q, impl):
-        native = _cpu_flash()[1]
-        kx, vx = (k, v) if native else (_expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]))
-        out, lse = _OPS._scaled_dot_product_flash_attention_for_cpu(
-            q, kx, vx, 0.0, mask is None, attn_mask=_flash_mask(mask, q.dtype), scale=scale
-        )
-        return out, lse
+        return _flash_fwd(q, k, v, scale, mask, mask is None)
     return _chunked_fwd(q, k, v, scale, mask, chunk)
+
+
+def _flash_fwd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, causal: bool
+) -> tuple[Tensor, Tensor]:
+    """The CPU flash forward (kv expanded where GQA is not native), on fp32 copies with out
+    rounded back where the dtype computes in fp32."""
+    up = computes_in_fp32(q)
+    if up:
+        q32, k, v = q.float(), k.float(), v.float()
+    else:
+        q32 = q
+    native = _cpu_flash()[1]
+    kx, vx = (k, v) if native else (_expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]))
+    out, lse = _OPS._scaled_dot_product_flash_attention_for_cpu(
+        q32, kx, vx, 0.0, causal, attn_mask=_flash_mask(mask, q32.dtype), scale=scale
+    )
+    return (out.to(q.dtype) if up else out), lse
 
 
 def fwd_matches_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -127,7 +150,7 @@ def fwd_matches_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) 
     fallback, SDPA choosing its math kernel) the caller must not assume equal outputs."""
     if q.shape[2] < 2 or not _use_flash(q, "auto") or not _cpu_flash()[1]:
         return False
-    if q.is_meta:  # `attention` calls the flash op itself on the meta device
+    if q.is_meta or computes_in_fp32(q):  # `attention` calls _flash_fwd itself there
         return True
     causal = mask is None
     flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
@@ -151,16 +174,56 @@ def attention_bwd(
     (out, lse) of `attention_fwd` with the same mask and scale (either impl's: lse layouts differ,
     but both backward paths read any strides)."""
     if _use_flash(q, impl):
-        heads, native = q.shape[1], _cpu_flash()[1]
-        kx, vx = (k, v) if native else (_expand_kv(k, heads), _expand_kv(v, heads))
-        fmask = _flash_mask(mask, q.dtype)
-        dq, dk, dv = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, kx, vx, out, lse, 0.0, mask is None, attn_mask=fmask, scale=scale
-        )
-        if not native:
-            dk, dv = (t.unflatten(1, (k.shape[1], -1)).sum(2) for t in (dk, dv))
-        return dq, dk, dv
+        return _flash_bwd(dout, q, k, v, out, lse, scale, mask, mask is None)
     return _chunked_bwd(dout, q, k, v, out, lse, scale, mask, chunk)
+
+
+def _flash_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    causal: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU flash backward; in fp32 (dq, dk, dv each rounded once) where _flash_fwd is."""
+    dtype, kv = q.dtype, k.shape[1]
+    up = computes_in_fp32(q)
+    if up:
+        dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
+    heads, native = q.shape[1], _cpu_flash()[1]
+    kx, vx = (k, v) if native else (_expand_kv(k, heads), _expand_kv(v, heads))
+    fmask = _flash_mask(mask, q.dtype)
+    dq, dk, dv = _OPS._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, kx, vx, out, lse, 0.0, causal, attn_mask=fmask, scale=scale
+    )
+    if not native:
+        dk, dv = (t.unflatten(1, (kv, -1)).sum(2) for t in (dk, dv))
+    if up:
+        dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    return dq, dk, dv
+
+
+class _Fp32Attention(torch.autograd.Function):
+    """`attention` under autograd where the dtype computes in fp32: the flash pair above, saving
+    q, k, v, the rounded out and lse in their own dtypes (what SDPA's autograd keeps), so the
+    backward is attention_bwd's own call on the same tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask, causal):  # type: ignore[no-untyped-def, override]
+        out, lse = _flash_fwd(q, k, v, scale, mask, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.mask, ctx.causal = scale, mask, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[no-untyped-def, override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _flash_bwd(dout, q, k, v, out, lse, ctx.scale, ctx.mask, ctx.causal)
+        return dq, dk, dv, None, None, None
 
 
 # ---- exact query-chunked fallback: at most (B, H, chunk, keys) scores at a time ----

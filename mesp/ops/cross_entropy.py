@@ -16,13 +16,14 @@ import torch
 from torch import Tensor
 
 from mesp.models.linear import FrozenWeight
+from mesp.ops.matmul import linear, matmul
 from mesp.ops.sampled_softmax import choose_subset, subset_head
 
 
 def _logits(hc: Tensor, w: Tensor, cap: float | None, ct: torch.dtype) -> tuple[Tensor, Tensor]:
     """hc (c, D), w (v, D) -> z (c, v) in ct, capped z = cap·tanh(z/cap) when cap is set, and
     t = tanh(z/cap) for the derivative (an empty tensor when uncapped)."""
-    z = (hc @ w.t()).to(ct)
+    z = linear(hc, w).to(ct)
     if not cap:
         return z, z.new_empty(0)
     t = z.div_(cap).tanh_()
@@ -86,7 +87,9 @@ def _dense_head(
         lse = torch.logsumexp(z, -1)
         loss += _weighted(lse - z.gather(1, tc[:, None]).squeeze(1), rc).sum(dtype=torch.float64)
         if dhs is not None and norm is not None:
-            dhs[r0 : r0 + rows] = _dlogits(z, t, lse, tc, norm, rc).to(w.dtype) @ w  # (c,v)(v,D)
+            dz = _dlogits(z, t, lse, tc, norm, rc).to(w.dtype)
+            dhs[r0 : r0 + rows] = matmul(dz, w)  # (c, v)(v, D)
+            del dz
         del z, t, lse
     return loss, dhs
 
@@ -134,7 +137,7 @@ def _sliced_head(
                     c = t.square_().neg_().add_(1.0)
                     ctg[r] = torch.where(hit, c.gather(1, col).squeeze(1), ctg[r])
                     e.mul_(c)
-                acc[r].mul_(scale[:, None]).add_(e.to(w.dtype) @ w)  # (c, v)(v, D)
+                acc[r].mul_(scale[:, None]).add_(matmul(e.to(w.dtype), w))  # (c, v)(v, D)
             mc.copy_(m_new)
             del z, t, e  # free this chunk's logits before the next is formed
         del w  # and this slice before the next is dequantized

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mesp.models.linear import FrozenWeight
+from mesp.ops.matmul import addmm_, linear, matmul
 
 # A frozen (out, in) base: a FrozenWeight (dense or packed), a plain tensor, or dtype -> tensor.
 WeightSource = FrozenWeight | Tensor | Callable[[torch.dtype], Tensor]
@@ -33,9 +33,9 @@ def lora_linear_with_h(
 ) -> tuple[Tensor, Tensor]:
     """x (..., in), A (r, in), B (out, r), bias (out,) | None -> y (..., out), h (..., r).
     Everything in x.dtype, as `Linear.forward` computes it."""
-    h = F.linear(x, A.to(x.dtype))
-    y = F.linear(x, dense_weight(base, x.dtype), None if bias is None else bias.to(x.dtype))
-    return y.add_(F.linear(h, B.to(x.dtype)), alpha=s), h
+    h = linear(x, A.to(x.dtype))
+    y = linear(x, dense_weight(base, x.dtype), None if bias is None else bias.to(x.dtype))
+    return y.add_(linear(h, B.to(x.dtype)), alpha=s), h
 
 
 def lora_linear(
@@ -69,13 +69,13 @@ def lora_linear_backward(
         raise ValueError(f"gA_acc is {gd} but gB_acc is {gB_acc.dtype}; use one dtype")
     dy2, x2 = dy.reshape(-1, n_out), x.reshape(-1, n_in)
     dy_g, x_g, B_g = dy2.to(gd), x2.to(gd), B.to(gd)
-    h2 = torch.mm(x_g, A.to(gd).t()) if h is None else h.reshape(-1, r).to(gd)  # (N, r)
-    gB_acc.addmm_(dy_g.t(), h2, alpha=s)  # (out, N)(N, r)
-    gh = torch.mm(dy_g, B_g).mul_(s)  # (N, r)
-    gA_acc.addmm_(gh.t(), x_g)  # (r, N)(N, in)
+    h2 = matmul(x_g, A.to(gd).t()) if h is None else h.reshape(-1, r).to(gd)  # (N, r)
+    addmm_(gB_acc, dy_g.t(), h2, alpha=s)  # (out, N)(N, r)
+    gh = matmul(dy_g, B_g).mul_(s)  # (N, r)
+    addmm_(gA_acc, gh.t(), x_g)  # (r, N)(N, in)
     if not need_dx:
         return None
     cd = x.dtype
-    dx = torch.mm(dy2.to(cd), dense_weight(base, cd))  # (N, out)(out, in); W dropped after
-    dx.addmm_(gh.to(cd), A.to(cd))  # (N, r)(r, in)
+    dx = matmul(dy2.to(cd), dense_weight(base, cd))  # (N, out)(out, in); W dropped after
+    addmm_(dx, gh.to(cd), A.to(cd))  # (N, r)(r, in)
     return dx.view(x.shape)

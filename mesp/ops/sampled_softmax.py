@@ -34,6 +34,7 @@ from torch import Tensor
 
 from mesp.errors import MespError
 from mesp.models.linear import FrozenWeight
+from mesp.ops.matmul import linear
 
 PROBES = 32  # proxy positions per batch
 
@@ -81,7 +82,7 @@ def choose_subset(
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = head.rows(v0, v1, hs.dtype).to(hs.dtype)
-        score[v0:v1] = (hp @ w.t()).amax(0).float()  # a softcap is monotone: same ranking
+        score[v0:v1] = linear(hp, w).amax(0).float()  # a softcap is monotone: same ranking
         del w
     targets = targets.to(hs.device)
     score[targets] = -torch.inf

@@ -1,0 +1,151 @@
+"""bf16 / fp16 matmuls that run at fp32 speed on CPUs without a low-precision GEMM.
+
+Without AVX512-BF16 / AMX, torch's bf16 CPU GEMM is a fallback 5-160x slower than fp32 (about
+1 GFLOP/s against 128 on a Zen 3 core pair). There every matmul of the product goes through the
+helpers here: the operands are upcast, multiplied in fp32, and the result is rounded once to the
+stored dtype. That is what a native bf16 GEMM computes (bf16 in, fp32 accumulation, one rounding
+out), so tensors stay bf16 and only the kernel changes. Where the CPU has a native kernel (or on
+CUDA, or in fp32 / fp64) the helpers are the plain torch call.
+
+The fp32 copies are transient and bounded: a large operand (an LM head, a logits block) is
+upcast one block of at most `BLOCK_BYTES` at a time, so the upcast never holds a whole head.
+
+`MESP_BF16_MATMUL=auto|native|fp32` (default auto: fp32 where the CPU lacks the kernel) forces
+either path, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mesp.errors import MespError
+
+ENV = "MESP_BF16_MATMUL"
+MODES = ("auto", "native", "fp32")
+LOW = (torch.bfloat16, torch.float16)
+BLOCK_BYTES = 32 << 20  # fp32 bytes of the upcast operand block(s) at a time
+
+
+@functools.cache
+def native_kernel(dtype: torch.dtype) -> bool:
+    """Whether this CPU has a native GEMM for dtype (oneDNN's own check; probed once)."""
+    if dtype == torch.float16 and hasattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported"):
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def mode() -> str:
+    m = os.environ.get(ENV, "auto") or "auto"
+    if m not in MODES:
+        raise MespError(f"{ENV} must be one of {', '.join(MODES)}, got {m!r}")
+    return m
+
+
+def computes_in_fp32(t: Tensor) -> bool:
+    """Whether matmuls on t (bf16 / fp16 on the CPU, or on the meta device standing for it)
+    run as fp32 GEMMs with one rounding. Read per call, so the env override takes effect."""
+    if t.dtype not in LOW or t.device.type not in ("cpu", "meta"):
+        return False
+    m = mode()
+    return m == "fp32" or (m == "auto" and not native_kernel(t.dtype))
+
+
+def _fp32_mm(a: Tensor, b: Tensor, c: Tensor | None, alpha: float, out: Tensor) -> Tensor:
+    """out (n, m) = round(c + alpha·a b) with a (n, k), b (k, m) in a low dtype, computed in
+    fp32; c: None, a bias (m,), or out itself (an in-place addmm). A wide output is formed in
+    column blocks (each rounded as it is written), a long reduction in k blocks summed into an
+    fp32 accumulator: either way about BLOCK_BYTES of fp32 copies at a time, beyond a."""
+    n, k = a.shape
+    m = b.shape[1]
+    if 4 * (n * k + k * m + n * m) <= BLOCK_BYTES:  # one block
+        if c is None:
+            r = torch.mm(a.float(), b.float())
+            return out.copy_(r if alpha == 1.0 else r.mul_(alpha))
+        return out.copy_(torch.addmm(c.float(), a.float(), b.float(), alpha=alpha))
+    if m >= k:  # wide: column blocks of b and out
+        step = max(64, BLOCK_BYTES // (4 * (k + n)))
+        a32 = a.float()
+        for j in range(0, m, step):
+            sl = slice(j, j + step)
+            bj = b[:, sl].float()
+            if c is None:
+                r = torch.mm(a32, bj)
+                out[:, sl] = r if alpha == 1.0 else r.mul_(alpha)
+            else:
+                out[:, sl] = torch.addmm(c[..., sl].float(), a32, bj, alpha=alpha)
+            del bj
+        return out
+    step = max(64, BLOCK_BYTES // (4 * (n + m)))  # long reduction: k blocks
+    if c is None:
+        acc = torch.zeros(n, m, dtype=torch.float32, device=a.device)
+    else:
+        acc = c.float().expand(n, m).clone(memory_format=torch.contiguous_format)
+    for i in range(0, k, step):
+        sl = slice(i, i + step)
+        acc.addmm_(a[:, sl].float(), b[sl].float(), alpha=alpha)
+    return out.copy_(acc)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a (..., k) @ b (k, m) -> (..., m): `a @ b` for a 2-D b."""
+    if not computes_in_fp32(a) or b.dtype != a.dtype:
+        return a @ b
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _Fp32Linear.apply(a, b.t(), None)
+    a2 = a.reshape(-1, a.shape[-1])
+    out = torch.empty(a2.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return _fp32_mm(a2, b, None, 1.0, out).view(*a.shape[:-1], b.shape[1])
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear: x (..., in), w (out, in), bias (out,) | None -> (..., out), one rounding."""
+    if not computes_in_fp32(x) or w.dtype != x.dtype:
+        return F.linear(x, w, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias)):
+        return _Fp32Linear.apply(x, w, bias)
+    return _linear(x, w, bias)
+
+
+def _linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    return _fp32_mm(x2, w.t(), bias, 1.0, out).view(*x.shape[:-1], w.shape[0])
+
+
+def addmm_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """acc.addmm_(a, b, alpha=alpha) in place: acc (n, m) += alpha · a (n, k) @ b (k, m)."""
+    if not computes_in_fp32(acc) or not a.dtype == b.dtype == acc.dtype:
+        return acc.addmm_(a, b, alpha=alpha)
+    return _fp32_mm(a, b, acc, alpha, acc)
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """y = x wᵀ + b through the fp32 GEMM, under autograd. Saves x and w in their own dtype
+    (as F.linear's autograd does), so training memory is unchanged; backward upcasts again:
+    dx = dy w, dw = dyᵀ x (tokens flattened), db = Σ dy, each rounded once."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        return _linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if need[0]:
+            dx = matmul(dy2, w).view(x.shape)
+        if need[1]:
+            dw = matmul(dy2.t(), x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and need[2]:
+            db = dy2.float().sum(0).to(dy.dtype)
+        return dx, dw, db
