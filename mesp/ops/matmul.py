@@ -29,7 +29,7 @@ from mesp.errors import MespError
 ENV = "MESP_BF16_MATMUL"
 MODES = ("auto", "native", "fp32")
 LOW = (torch.bfloat16, torch.float16)
-BLOCK_BYTES = 32 << 20  # fp32 bytes of the upcast operand block(s) at a time
+BLOCK_BYTES = 4 << 20  # fp32 bytes of upcast operand blocks at a time (GEMMs stay large)
 
 
 @functools.cache
