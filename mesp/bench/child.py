@@ -28,6 +28,7 @@ from mesp.errors import MespError
 from mesp.memory.rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
 from mesp.memory.tracker import LiveTensorTracker, adapter_tensors
 from mesp.models.transformer import LORA_TARGETS
+from mesp.ops import matmul as matmul_ops
 
 # A 2-layer Qwen2 for `--quick`: every code path of the real shapes at a few MB.
 TINY_SHAPE = dict(
@@ -109,9 +110,9 @@ _INPLACE = {
 
 
 class Fp32Matmul(TorchDispatchMode):
-    """bf16/fp16 CPU matmuls computed in fp32 and rounded back: what a native bf16 GEMM does
-    (fp32 accumulation). Without AVX512-BF16/AMX torch falls back to a bf16 GEMM 5-70x slower
-    than fp32 (18 s for one 256x4864 @ 4864x896), which would time that kernel, not the engines.
+    """For the PEFT baseline only: its bf16/fp16 CPU matmuls computed in fp32 and rounded back,
+    what mesp itself does in mesp/ops/matmul.py where the CPU has no bf16 GEMM (torch's fallback
+    is 5-160x slower than fp32 there), so that both sides of a comparison time an fp32 GEMM.
     Sits below the tracker, so the exact peak sees bf16 in and out; RSS sees the fp32 copies."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
@@ -124,13 +125,6 @@ class Fp32Matmul(TorchDispatchMode):
                     return func(*up, **kwargs).to(ts[0].dtype)
                 return args[0].copy_(_INPLACE[func](*up, **kwargs))
         return func(*args, **kwargs)
-
-
-def needs_fp32_matmul(dtype: torch.dtype) -> bool:
-    """True where this CPU has no native low-precision GEMM (see Fp32Matmul)."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _site() -> str:
@@ -164,7 +158,7 @@ class ChildConfig:
     timeline: bool = False
     seed: int = 0
     threads: int | None = None  # torch threads; None: torch's default (all cores)
-    matmul: str = "auto"  # auto | native | fp32: see Fp32Matmul
+    matmul: str = "auto"  # auto | native | fp32: mesp.ops.matmul's MESP_BF16_MATMUL
     # "meta": the exact tracker on the meta device (bytes without arithmetic; no RSS, no time)
     device: str = "cpu"
     loss: str = "ce"  # ce | sampled-softmax
@@ -308,10 +302,19 @@ def measure(c: ChildConfig) -> dict[str, Any]:
     if c.threads:
         torch.set_num_threads(c.threads)
     dtype = getattr(torch, c.dtype)
-    fp32_mm = c.matmul == "fp32" or (c.matmul == "auto" and needs_fp32_matmul(dtype))
-    with Fp32Matmul() if fp32_mm else contextlib.nullcontext():
+    # mesp's engines pick their bf16 kernel themselves (mesp.ops.matmul), as in `mesp train`;
+    # the switch is its environment variable, set here for this child process only.
+    os.environ[matmul_ops.ENV] = c.matmul
+    fp32_mm = matmul_ops.computes_in_fp32(torch.empty(0, dtype=dtype, device=c.device))
+    baseline = c.engine == "peft" and fp32_mm
+    with Fp32Matmul() if baseline else contextlib.nullcontext():
         res = _measure(c, dtype)
-    res["matmul"] = "fp32-accumulate substitute" if fp32_mm else "native"
+    if not fp32_mm:
+        res["matmul"] = "native"
+    elif baseline:
+        res["matmul"] = "fp32-accumulate substitute (PEFT baseline)"
+    else:
+        res["matmul"] = "fp32 compute, bf16 storage (mesp.ops.matmul, the product's path)"
     return res
 
 

@@ -4,7 +4,8 @@ A quantized linear dequantizes its weight, multiplies, and drops the weight. Tha
 worth it if dequantizing costs little next to the matmul: this table measures both, at
 Qwen2.5-0.5B's projection shapes, for one token (decode) and a training row (256 tokens), in
 float32 and bfloat16. Times are medians of `--steps` runs after `--warmup` untimed ones, in
-this process, one row per (dtype, shape, tokens); ratio = dequantize / matmul.
+this process, one row per (dtype, shape, tokens); ratio = dequantize / matmul. The matmul is
+the product's (`mesp.ops.matmul.linear`: fp32 compute for bf16 where the CPU has no bf16 GEMM).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from mesp.bench.output import write_row
+from mesp.ops.matmul import linear
 from mesp.quant import QuantSpec, dequantize, quantize
 
 # (out_features, in_features): q/o proj, k/v proj, gate/up proj, down proj.
@@ -58,7 +60,7 @@ def measure(c: DequantConfig, steps: int, warmup: int) -> dict[str, Any]:
     w = dequantize(wq, scales, biases, spec)
     x = torch.randn(c.tokens, c.in_features, generator=g).to(dtype)
     deq = _median_ms(lambda: dequantize(wq, scales, biases, spec), steps, warmup)
-    mm = _median_ms(lambda: x @ w.T, steps, warmup)
+    mm = _median_ms(lambda: linear(x, w), steps, warmup)  # the product's kernel (ops/matmul)
     return {"table": "dequant", "status": "ok", "config": asdict(c), "dequant_ms": deq,
             "matmul_ms": mm, "ratio": deq / mm}  # fmt: skip
 

@@ -281,10 +281,13 @@ def _matmul_note(rows: list[Row]) -> str:
     if not any(str(r.get("matmul", "")).startswith("fp32") for r in rows):
         return ""
     return (
-        "This CPU has no native bf16 GEMM (torch's fallback is 5-70x slower than fp32), so "
-        "bf16 matmuls run as fp32-accumulate with bf16 inputs and outputs (what a native bf16 "
-        "kernel computes). The exact peak is unaffected; RSS includes the kernel's fp32 copies "
-        "of the operands."
+        "This CPU has no native bf16 GEMM (torch's fallback is 5-160x slower than fp32), so "
+        "mesp computes every bf16 matmul in fp32 and rounds the result once (bf16 storage, "
+        "what a native bf16 kernel computes; mesp/ops/matmul.py): the rows time the path "
+        "`mesp train --dtype bfloat16` runs, and the exact peak counts its transient fp32 "
+        "copies (large operands upcast in blocks of about 4 MiB). The PEFT baseline's bf16 "
+        "matmuls get the same fp32 GEMM through a benchmark-only substitute, so both sides time "
+        "the same kernel."
     )
 
 

@@ -99,7 +99,7 @@ class BenchOptions:
     warmup: int = 1
     timeout: float = 3600.0  # seconds per configuration
     threads: int | None = None
-    matmul: str = "auto"  # bf16 matmul kernel: auto | native | fp32 (see bench_child.Fp32Matmul)
+    matmul: str = "auto"  # bf16 matmul kernel: auto | native | fp32 (MESP_BF16_MATMUL, ops/matmul)
     device: str = "cpu"  # "meta": exact peak only (no arithmetic, no RSS, no time)
     out: Path = field(default_factory=lambda: Path("bench_results"))
     command: str = ""

@@ -102,7 +102,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--matmul",
         choices=("auto", "native", "fp32"),
         default="auto",
-        help="bf16 matmuls: fp32-accumulate where the CPU lacks native bf16 GEMM (auto)",
+        help="bf16 matmuls (MESP_BF16_MATMUL): auto computes them in fp32 where the CPU lacks "
+        "a native bf16 GEMM, as mesp train does",
     )
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="JSON rows + PNGs")
     p.add_argument("--markdown", type=Path, default=None, help="(re)write this report")
