@@ -4,8 +4,9 @@ Symbols: B rows of S positions, T = B·S tokens (all trained: the worst case), D
 F intermediate, Q = H·d query width, K = KV·d key/value width, L layers, V vocabulary, r LoRA
 rank, e the compute dtype's bytes, f = max(e, 4) (norms, activation derivatives and log-softmax
 run in fp32), c = min(512, T) CE rows per chunk, V' = V, or 8192 when the head is sliced.
-W(o, i; x) is dequantizing an o×i weight and then allocating x bytes: o·i·e + max(o·i/2, x)
-(the 4-bit nibble plane is freed before x exists); a dense base is used in place: x.
+W(o, i; x) is dequantizing an o×i weight and then allocating x bytes: o·i·e + max(u, x), u the
+4-bit unpack's scratch, two int16 planes of the row block being unpacked, 2·i·min(o, ⌊4 MiB /
+(i·e)⌋) bytes (freed before x exists); a dense base is used in place: x.
 
 State, live for the whole step:
   weights      `mesp.loading.info.weight_bytes` (packed when quantized)
@@ -63,7 +64,7 @@ from mesp.errors import MespError
 from mesp.loading.info import weight_bytes
 from mesp.models import FAMILIES
 from mesp.models.transformer import LORA_TARGETS
-from mesp.quant import QuantSpec
+from mesp.quant import DEQUANT_BLOCK, QuantSpec
 
 ENGINES = ("bp", "mebp", "mesp", "mezo")
 CE_ROWS, VOCAB_CHUNK = 512, 8192  # MeSPEngine's and MeZOEngine's chunked-CE defaults
@@ -99,13 +100,15 @@ class Sizes:
 
     def deq(self, out: int, inp: int, then: int = 0) -> int:
         """Peak bytes of dequantizing an out×inp weight and then allocating `then` bytes beside
-        it: the weight plus the larger of its 4-bit nibble plane (freed once unpacked) and
-        `then`. A dense base is used in place: just `then`."""
+        it: the weight plus the larger of the 4-bit unpack's scratch (two int16 planes of one
+        row block, see quant.DEQUANT_BLOCK; freed once unpacked) and `then`. A dense base
+        is used in place: just `then`."""
         q = self.quant
         if q is None or inp % q.group_size:
             return then
-        nibbles = out * inp // 2 if q.bits == 4 else 0
-        return out * inp * self.e + max(nibbles, then)
+        block_rows = min(out, max(1, DEQUANT_BLOCK // (inp * self.e)))
+        scratch = 2 * block_rows * inp if q.bits == 4 else 0
+        return out * inp * self.e + max(scratch, then)
 
     def lin_in_out(self) -> dict[str, tuple[int, int]]:
         D, F, Q, K = self.D, self.F, self.Q, self.K
