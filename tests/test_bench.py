@@ -123,3 +123,16 @@ def test_bench_dropin_rows_and_report(tmp_path: Path, monkeypatch: pytest.Monkey
     text = md.read_text()
     assert "## Drop-in: HF + PEFT" in text and "Command: `mesp bench dropin" in text
     assert "| 32 | patched+gc |" in text and "| 32 | on |" in text  # CPU rows win over meta
+
+
+def test_bf16_against_fp32_section_pairs_the_same_configuration() -> None:
+    from mesp.bench.report import dtype_section
+
+    def row(dtype: str, s: float, variant: str = "mesp") -> dict:
+        c = {"variant": variant, "shape": "qwen2.5-0.5b", "seq": 256, "rank": 8, "dtype": dtype}
+        return {"status": "ok", "table": "table1", "config": c, "matmul": "fp32 compute (x)",
+                "time": {"median_s": s, "tokens_per_s": 256 / s}}  # fmt: skip
+
+    text = "\n".join(dtype_section([row("float32", 10.0), row("bfloat16", 11.0)]))
+    assert "## bf16 against fp32" in text and "| 1.10 | fp32 compute |" in text
+    assert dtype_section([row("float32", 10.0), row("bfloat16", 11.0, "mebp")]) == []

@@ -277,6 +277,34 @@ def _bounds(shape: str, r: Row, fp: Row | None, peft: Row | None) -> list[str]:
     return out
 
 
+def dtype_section(rows: list[Row]) -> list[str]:
+    """bf16 against fp32 step time, wherever one configuration (table, variant, shape, seq,
+    rank) has timed rows in both: e.g. `mesp bench table1 --shapes qwen2.5-0.5b --engines
+    mesp,mesp-fp` once with `--dtype float32` and once with `--dtype bfloat16`."""
+    timed: dict[tuple[Any, ...], dict[str, Row]] = {}
+    for r in rows:
+        c = r.get("config", {})
+        if r.get("table") in TABLES and secs(r) is not None:
+            k = (r["table"], c["variant"], c["shape"], c["seq"], c["rank"])
+            timed.setdefault(k, {})[c["dtype"]] = r
+    body = []
+    for k, by in sorted(timed.items()):
+        f32, b16 = by.get("float32"), by.get("bfloat16")
+        if f32 is None or b16 is None:
+            continue
+        t, v, shape, seq, rank = k
+        label = f"{LABELS.get(v, v)}, {shape} s{seq} r{rank} ({t})"
+        path = str(b16.get("matmul", "–")).split(" (")[0]
+        row = [label, cell_time(f32), cell_time(b16), fmt(ratio(secs(b16), secs(f32))), path]
+        body.append(row)
+    if not body:
+        return []
+    head = ["configuration", "fp32 s (tokens/s)", "bf16 s (tokens/s)", "bf16 / fp32", "bf16 path"]
+    out = ["## bf16 against fp32", "", "Median step time of the same configuration in both "]
+    out[-1] += "dtypes (issue 17's target: bf16 within 1.15x of fp32)."
+    return [*out, "", *_grid(head, body), ""]
+
+
 def _matmul_note(rows: list[Row]) -> str:
     if not any(str(r.get("matmul", "")).startswith("fp32") for r in rows):
         return ""
@@ -457,6 +485,7 @@ def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
     ]
     for table in TABLES:
         lines += section(rows, table, dtype)
+    lines += dtype_section(rows)
     lines += bench_ladder.section(rows)
     lines += bench_softmax.section(rows)
     lines += bench_dequant.section(rows)
