@@ -109,7 +109,7 @@ def run_ondevice(ns: argparse.Namespace) -> int:
             rows += run_ondevice(ns.out, c, cmd, ns.timeout)
         return rows
 
-    return measure_then_report(ns, measure, line, dtype="float32")
+    return measure_then_report(ns, measure, line)
 
 
 def run_dropin(ns: argparse.Namespace) -> int:
