@@ -168,9 +168,11 @@ def _dequantize_into(
     Multiply, round, add, round: the same two roundings as MLX (addcmul would fuse them)."""
     rows, in_f = out.shape
     s, b = scales.to(out.dtype).unsqueeze(-1), biases.to(out.dtype).unsqueeze(-1)
+    if _tracing():  # an exported graph: one block, and no loop over a (maybe dynamic) row count
+        _unpack_into(wq, spec.bits, out)
+        out.view(rows, -1, spec.group_size).mul_(s).add_(b)
+        return out
     step = max(1, DEQUANT_BLOCK // max(1, in_f * out.element_size()))
-    if _tracing():  # an exported graph: one block, not an unrolled loop
-        step = max(rows, 1)
     for r in range(0, rows, step):
         o = out[r : r + step]
         _unpack_into(wq[r : r + step], spec.bits, o)

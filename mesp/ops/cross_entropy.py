@@ -16,14 +16,16 @@ import torch
 from torch import Tensor
 
 from mesp.models.linear import FrozenWeight
-from mesp.ops.matmul import linear, matmul
+from mesp.ops.matmul import computes_in_fp32, linear, matmul
 from mesp.ops.sampled_softmax import choose_subset, subset_head
 
 
 def _logits(hc: Tensor, w: Tensor, cap: float | None, ct: torch.dtype) -> tuple[Tensor, Tensor]:
     """hc (c, D), w (v, D) -> z (c, v) in ct, capped z = cap·tanh(z/cap) when cap is set, and
     t = tanh(z/cap) for the derivative (an empty tensor when uncapped)."""
-    z = linear(hc, w).to(ct)
+    # fp32 keeps the plain matmul: the exported loss programs trace this op (F.linear there
+    # specializes their dynamic row count under a logit softcap)
+    z = (linear(hc, w) if computes_in_fp32(hc) else hc @ w.t()).to(ct)
     if not cap:
         return z, z.new_empty(0)
     t = z.div_(cap).tanh_()
