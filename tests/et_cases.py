@@ -40,7 +40,11 @@ def export_case(family: str, quant: str, out: Path) -> Path:
 
 def prefetch(cases: list[tuple[str, str]], root: Path) -> None:
     """Export every case not yet under root, in parallel worker processes."""
-    todo = [c for c in cases if not (root / f"et_{c[0]}_{c[1]}" / "run_config.json").exists()]
+    todo = [
+        c
+        for c in dict.fromkeys(cases)  # once each: two workers must never share a directory
+        if not (root / f"et_{c[0]}_{c[1]}" / "run_config.json").exists()
+    ]
     if len(todo) < 2:
         return
     ctx = multiprocessing.get_context("spawn")
