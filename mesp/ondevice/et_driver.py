@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -181,8 +180,4 @@ def train(
     return trainer, losses
 
 
-def open_artifacts(root: Path) -> Artifacts:
-    return Artifacts(root)
-
-
-__all__ = ["EtTrainer", "Programs", "open_artifacts", "train"]
+__all__ = ["EtTrainer", "Programs", "train"]
