@@ -100,6 +100,11 @@ def _unpack(wq: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
     return _unpack_into(wq, bits, out)
 
 
+def unpack_values(wq: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
+    """The quantized values q (rows, in) of packed words (rows, words), as dtype."""
+    return _unpack(wq, bits, dtype)
+
+
 def _unpack_into(wq: Tensor, bits: int, out: Tensor) -> Tensor:
     """Unpack words (rows, words) into out (rows, words·32/bits) in one converting copy.
     4-bit: each byte 0xHL becomes the int16 0x0H0L = b + 15·(b & 0xF0), whose two bytes in

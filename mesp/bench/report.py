@@ -13,6 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from mesp.bench import decode as bench_decode
 from mesp.bench import dequant as bench_dequant
 from mesp.bench import dropin as dropin_bench
 from mesp.bench import ladder as bench_ladder
@@ -48,7 +49,7 @@ def index(rows: list[Row], table: str, dtype: str) -> dict[Key, Row]:
     the same configuration: it has RSS and time as well as the (equal) exact peak."""
     out: dict[Key, Row] = {}
     for r in rows:
-        c = r["config"]
+        c = r.get("config", {})
         if r.get("table") == table and c["dtype"] == dtype:
             k = (c["shape"], c["seq"], c["rank"], c["variant"])
             old = out.get(k)
@@ -489,6 +490,7 @@ def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
     lines += bench_ladder.section(rows)
     lines += bench_softmax.section(rows)
     lines += bench_dequant.section(rows)
+    lines += bench_decode.section(rows)
     lines += dropin_bench.section(rows)
     lines += bench_ondevice.section(rows)
     comp = composition(rows, dtype)

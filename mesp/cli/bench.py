@@ -1,4 +1,4 @@
-"""`mesp bench {table1,...,ladder,softmax,dequant,dropin,ondevice}`: flags to the benchmarks.
+"""`mesp bench {table1,...,ladder,softmax,dequant,decode,dropin,ondevice}`: flags to the benchmarks.
 
 `quick` is table 1 on a tiny 2-layer shape (about a minute; what the tests run); `--quick`
 does the same for any table. Rows accumulate under --out, so tables can be run piece by piece
@@ -27,6 +27,7 @@ TABLE_CHOICES = (
     "ladder",
     "softmax",
     "dequant",
+    "decode",
     "dropin",
     "ondevice",
 )
@@ -90,8 +91,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--models",
         type=_words,
         default=("smollm2", "gemma3-270m"),
-        help="softmax: real models to train (named models or paths)",
+        help="softmax, decode: real models (named models or paths)",
     )
+    p.add_argument("--decode-tokens", type=int, default=64, help="decode: new tokens per run")
     p.add_argument("--train-steps", type=int, default=30, help="softmax: steps per run")
     p.add_argument("--vocab-subset", type=int, default=1000, help="softmax: K")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
@@ -144,6 +146,8 @@ def run(ns: argparse.Namespace) -> int:
         return bench_studies.run_dropin(ns)
     if ns.table == "dequant":
         return bench_studies.run_dequant(ns)
+    if ns.table == "decode":
+        return bench_studies.run_decode(ns)
     if ns.table == "ondevice":
         return bench_studies.run_ondevice(ns)
     if ns.table == "softmax":

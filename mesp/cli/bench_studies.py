@@ -89,6 +89,24 @@ def run_dequant(ns: argparse.Namespace) -> int:
     )
 
 
+def run_decode(ns: argparse.Namespace) -> int:
+    """The int4 decode kernel against dequantize + matmul (mesp/bench/decode.py): per layer,
+    and `mesp generate` on each --models entry (default smollm2) for --decode-tokens tokens."""
+    from mesp.bench.decode import line, run_decode
+
+    if ns.steps < 1 or ns.warmup < 0 or ns.decode_tokens < 1:
+        raise MespError("--steps and --decode-tokens must be >= 1 and --warmup >= 0")
+    models = tuple(ns.models) if ns.models else ("smollm2",)
+    parts = ["mesp", "bench", "decode", "--models", ",".join(models)]
+    parts += ["--decode-tokens", str(ns.decode_tokens), "--steps", str(ns.steps)]
+    parts += ["--warmup", str(ns.warmup), "--out", str(ns.out)]
+    parts += ["--markdown", str(ns.markdown)] if ns.markdown else []
+    cmd = shlex.join(parts)
+    return measure_then_report(
+        ns, lambda: run_decode(ns.out, models, ns.decode_tokens, ns.steps, ns.warmup, cmd), line
+    )
+
+
 def run_ondevice(ns: argparse.Namespace) -> int:
     """The native ExecuTorch runner against the in-process engine (mesp/bench/ondevice.py):
     one row per --shapes entry, at the first --seq and --rank, --steps + 1 steps."""

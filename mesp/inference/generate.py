@@ -9,6 +9,7 @@ import torch
 
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_with_adapter
+from mesp.models.linear import int4_decoding
 from mesp.models.transformer import CausalLM, KVCache
 
 
@@ -32,6 +33,15 @@ class GenerateOptions:
         },
     )
     seed: int = field(default=0, metadata={"help": "sampling seed"})
+    decode_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "4-bit weights at one token a step: int4 = torch's int4 CPU kernel on a "
+            "packed copy (bf16 activations), dequantize = the training path's dequantize + "
+            "matmul, auto = int4 where the weight is 4-bit on the CPU",
+            "choices": ("auto", "int4", "dequantize"),
+        },
+    )
 
 
 def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
@@ -65,7 +75,15 @@ def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
         )
     n = min(g.max_tokens, room)
     out = generate(
-        loaded.model, ids, n, g.temperature, g.top_p, tok.stop_ids, g.seed, g.repetition_penalty
+        loaded.model,
+        ids,
+        n,
+        g.temperature,
+        g.top_p,
+        tok.stop_ids,
+        g.seed,
+        g.repetition_penalty,
+        int4=g.decode_kernel != "dequantize",
     )
     return tok.decode(out)
 
@@ -80,9 +98,27 @@ def generate(
     stop_ids: set[int] | None = None,
     seed: int = 0,
     repetition_penalty: float = 1.0,
+    int4: bool = True,
 ) -> list[int]:
     """New token ids after the prompt. temperature 0 = greedy; the repetition penalty applies
-    before either (as in HF's generate)."""
+    before either (as in HF's generate). With `int4`, 4-bit CPU weights decode through torch's
+    int4 kernel (a packed copy for the call; the prompt's prefill still dequantizes)."""
+    with int4_decoding(model, int4):
+        return _generate(
+            model, prompt_ids, max_tokens, temperature, top_p, stop_ids, seed, repetition_penalty
+        )
+
+
+def _generate(
+    model: CausalLM,
+    prompt_ids: list[int],
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: set[int] | None,
+    seed: int,
+    repetition_penalty: float,
+) -> list[int]:
     model.eval()
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(k=[None] * len(model.layers), v=[None] * len(model.layers))

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mesp.ops import int4_mm
 from mesp.ops.matmul import linear, matmul
 from mesp.quant import QuantSpec, dequantize, dequantize_gather, dequantize_rows, quantize
 
@@ -36,6 +39,7 @@ class FrozenWeight(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=dtype))
         self.register_buffer("scales", None)
         self.register_buffer("biases", None)
+        self.int4: int4_mm.Int4Pack | None = None  # decode-only copy (see pack_for_decoding)
 
     def set_dense(self, w: Tensor, quant: QuantSpec | None = None) -> None:
         """Store w (out, in); quantize it first when `quant` is given and the input size splits
@@ -50,7 +54,7 @@ class FrozenWeight(nn.Module):
                 )
             quant = None
         if quant is None:
-            self.quant, self.scales, self.biases = None, None, None
+            self.quant, self.scales, self.biases, self.int4 = None, None, None, None
             self.weight = w.contiguous()
             return
         if w.is_meta:  # a model for memory accounting only: the packed layout, no values
@@ -62,7 +66,7 @@ class FrozenWeight(nn.Module):
         self.set_packed(*quantize(w, quant), quant)
 
     def set_packed(self, wq: Tensor, scales: Tensor, biases: Tensor, quant: QuantSpec) -> None:
-        self.quant = quant
+        self.quant, self.int4 = quant, None
         self.weight = wq.contiguous()
         self.scales = scales.contiguous()
         self.biases = biases.contiguous()
@@ -91,8 +95,31 @@ class FrozenWeight(nn.Module):
             return F.embedding(ids, self.weight)
         return dequantize_gather(self.weight, self.scales, self.biases, self.quant, ids)
 
+    def pack_for_decoding(self) -> bool:
+        """Add the int4 kernel's copy of a 4-bit CPU weight (once); True when it has one.
+        Inference only: matmuls of short rows without a gradient then use it."""
+        if self.quant is None or not int4_mm.supported(self.weight, self.quant):
+            return False
+        if self.int4 is None or self.int4.source != _identity(self.weight, self.scales):
+            self.int4 = int4_mm.pack(self.weight, self.scales, self.biases, self.quant)
+            self.int4.source = _identity(self.weight, self.scales)
+        return True
+
+    def decode_pack(self, x: Tensor) -> int4_mm.Int4Pack | None:
+        """The int4 copy when it should serve x: short CPU rows, copy still of these buffers."""
+        p = self.int4
+        if p is None or x.device.type != "cpu" or not int4_mm.short_rows(x):
+            return None
+        return p if p.source == _identity(self.weight, self.scales) else None
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
+        own = sum(t.numel() * t.element_size() for t in self.buffers())
+        return own + (self.int4.nbytes() if self.int4 is not None else 0)
+
+
+def _identity(*ts: Tensor) -> tuple[int, ...]:
+    """Storage address and in-place version of each tensor: changes when the buffers do."""
+    return tuple(v for t in ts for v in (t.data_ptr(), t._version))
 
 
 class _FrozenMatmul(torch.autograd.Function):
@@ -115,7 +142,27 @@ def frozen_matmul(x: Tensor, fw: FrozenWeight) -> Tensor:
     """x (..., in) -> (..., out). Autograd keeps no activation and no dequantized weight."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _FrozenMatmul.apply(x, fw)
+    p = fw.decode_pack(x)
+    if p is not None:
+        return int4_mm.int4_linear(x, p)
     return linear(x, fw.dense(x.dtype))
+
+
+@contextmanager
+def int4_decoding(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within: every 4-bit CPU weight of `model` carries the int4 kernel's copy, so matmuls of
+    short rows without a gradient (decode steps) skip dequantize. Yields the bytes the copies
+    take; the copies made here are dropped on exit, so training never carries them."""
+    added = []
+    if enabled:
+        for m in model.modules():
+            if isinstance(m, FrozenWeight) and m.int4 is None and m.pack_for_decoding():
+                added.append(m)
+    try:
+        yield sum(m.int4.nbytes() for m in added if m.int4 is not None)
+    finally:
+        for m in added:
+            m.int4 = None
 
 
 class Linear(FrozenWeight):
