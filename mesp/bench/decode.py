@@ -12,14 +12,13 @@ runs after `--warmup`):
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mesp.bench.dequant import median_ms
 from mesp.bench.output import write_row
 from mesp.ops import int4_mm
 from mesp.ops.matmul import linear
@@ -31,17 +30,6 @@ ROWS = (1, 4, 16, 64, 256)
 PROMPT = "The quality of mercy is not strained; it droppeth as the gentle rain"
 
 
-def _median_ms(fn: Callable[[], object], steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 @torch.no_grad()
 def measure_layer(rows: int, steps: int, warmup: int, group: int = 64) -> dict[str, Any]:
     """Summed medians over the layer's projections at `rows` rows of fp32 activations."""
@@ -51,9 +39,9 @@ def measure_layer(rows: int, steps: int, warmup: int, group: int = 64) -> dict[s
         wq, s, b = quantize(torch.randn(o, i, generator=g) * 0.02, spec)
         w, x = dequantize(wq, s, b, spec), torch.randn(rows, i, generator=g)
         p = int4_mm.pack(wq, s, b, spec)
-        dense += _median_ms(lambda: linear(x, w), steps, warmup)  # noqa: B023
-        deq += _median_ms(lambda: linear(x, dequantize(wq, s, b, spec)), steps, warmup)  # noqa: B023
-        int4 += _median_ms(lambda: int4_mm.int4_linear(x, p), steps, warmup)  # noqa: B023
+        dense += median_ms(lambda: linear(x, w), steps, warmup)  # noqa: B023
+        deq += median_ms(lambda: linear(x, dequantize(wq, s, b, spec)), steps, warmup)  # noqa: B023
+        int4 += median_ms(lambda: int4_mm.int4_linear(x, p), steps, warmup)  # noqa: B023
     return {"table": "decode", "part": "layer", "status": "ok", "rows": rows, "group": group,
             "threads": torch.get_num_threads(), "dense_ms": dense, "dequant_ms": deq,
             "int4_ms": int4}  # fmt: skip

@@ -39,7 +39,7 @@ class DequantConfig:
     threads: int = 0
 
 
-def _median_ms(fn: Callable[[], object], steps: int, warmup: int) -> float:
+def median_ms(fn: Callable[[], object], steps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -59,8 +59,8 @@ def measure(c: DequantConfig, steps: int, warmup: int) -> dict[str, Any]:
     wq, scales, biases = packed[0], packed[1].to(dtype), packed[2].to(dtype)
     w = dequantize(wq, scales, biases, spec)
     x = torch.randn(c.tokens, c.in_features, generator=g).to(dtype)
-    deq = _median_ms(lambda: dequantize(wq, scales, biases, spec), steps, warmup)
-    mm = _median_ms(lambda: linear(x, w), steps, warmup)  # the product's kernel (ops/matmul)
+    deq = median_ms(lambda: dequantize(wq, scales, biases, spec), steps, warmup)
+    mm = median_ms(lambda: linear(x, w), steps, warmup)  # the product's kernel (ops/matmul)
     return {"table": "dequant", "status": "ok", "config": asdict(c), "dequant_ms": deq,
             "matmul_ms": mm, "ratio": deq / mm}  # fmt: skip
 
@@ -126,4 +126,4 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, "", *notes, ""]
 
 
-__all__ = ["DequantConfig", "line", "measure", "run_dequant", "section"]
+__all__ = ["DequantConfig", "line", "measure", "median_ms", "run_dequant", "section"]
