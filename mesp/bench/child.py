@@ -1,10 +1,19 @@
 """One benchmark configuration, measured in a fresh process: `python -m mesp.bench.child JSON`.
 
 A fresh process per configuration keeps one engine's allocator state, caches and RSS high-water
-mark out of the next one's numbers (the parent runs it through `memory_rss.run_child`, which
-sets the faithful-malloc environment). Three measurements of one optimizer step (engine step +
-SGD step), each after warm-up: the exact live-tensor peak (with a per-op timeline and what was
-live at the peak), the process RSS peak, and the median wall time of `steps` untracked steps.
+mark out of the next one's numbers. Each configuration runs as two children (`part`), because
+the malloc setting that makes RSS faithful makes time unfaithful:
+
+- "memory", run with FAITHFUL_MALLOC_ENV (`memory.rss.run_child`: every free handed back to
+  the kernel, so RSS tracks live memory): after warm-up, the exact live-tensor peak of one step
+  (engine step + SGD step, with a per-op timeline and what was live at the peak), then the RSS
+  rise of `rss_steps` untracked steps.
+- "time", run without it (MALLOC_MMAP_THRESHOLD_ turns every temporary into fresh page
+  faults): a GEMM rate probe at the model's projection shapes (mesp.bench.floor), then after
+  warm-up the median wall time of `steps` untracked steps, and the matmul floor 6·N·T at the
+  probed rate beside it.
+
+Each child reports the malloc variables it ran under (`malloc_env`).
 """
 
 from __future__ import annotations
@@ -21,12 +30,18 @@ from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mesp.batch import Batch, keep_last_fraction
+from mesp.bench.tracking import Fp32Matmul, TimelineTracker
 from mesp.errors import MespError
-from mesp.memory.rss import current_rss_bytes, peak_rss_bytes, report, reset_peak_rss
-from mesp.memory.tracker import LiveTensorTracker, adapter_tensors
+from mesp.memory.rss import (
+    FAITHFUL_MALLOC_ENV,
+    current_rss_bytes,
+    peak_rss_bytes,
+    report,
+    reset_peak_rss,
+)
+from mesp.memory.tracker import adapter_tensors
 from mesp.models.transformer import LORA_TARGETS
 from mesp.ops import matmul as matmul_ops
 
@@ -44,99 +59,6 @@ TINY_SHAPE = dict(
     max_position_embeddings=8192,
     tie_word_embeddings=True,
 )
-
-
-class TimelineTracker(LiveTensorTracker):
-    """The exact tracker plus a sample of live bytes after every op, and for each allocation
-    the op, shape and the innermost non-torch source line that made it: what the peak is."""
-
-    def __init__(self, timeline: bool) -> None:
-        super().__init__()
-        self.samples: list[int] | None = [] if timeline else None
-        self._new: dict[int, Any] = {}  # uid -> entry, allocations of the op in flight
-        self.origin: dict[int, str] = {}  # uid -> "site op shape dtype"
-
-    def _track(self, st: torch.UntypedStorage) -> Any:
-        known = self._live.get(st._cdata)
-        entry = super()._track(st)
-        if entry is not None and entry is not known:
-            self._new[entry.uid] = entry
-        return entry
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        self._new.clear()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self._new:
-            site = _site()
-            for leaf in torch.utils._pytree.tree_leaves(out):
-                if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
-                    continue
-                entry = self._live.get(leaf.untyped_storage()._cdata)
-                if entry is not None and entry.uid in self._new:
-                    shape = "x".join(map(str, leaf.shape))
-                    self.origin[entry.uid] = f"{site} {func.__name__} {shape} {leaf.dtype}"
-        if self.samples is not None:
-            self.samples.append(self.current_bytes)
-        return out
-
-    def peak_composition(self, top: int = 12) -> list[dict[str, Any]]:
-        """Working tensors live at the peak, grouped by where they were made, largest first."""
-        groups: dict[str, list[int]] = {}
-        for uid, nbytes in self.live_at_peak().items():
-            if uid in self._category:  # registered weights / adapter
-                continue
-            key = self.origin.get(uid, "(unknown)")
-            acc = groups.setdefault(key, [0, 0])
-            acc[0] += nbytes
-            acc[1] += 1
-        rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
-        return [{"what": k, "bytes": b, "count": n} for k, (b, n) in rows]
-
-    def downsampled(self, points: int, base: int) -> list[int]:
-        """At most `points` samples of (live − base) bytes; max per bucket keeps the peak."""
-        s = [x - base for x in self.samples or []]
-        if len(s) <= points:
-            return s
-        step = -(-len(s) // points)
-        return [max(s[i : i + step]) for i in range(0, len(s), step)]
-
-
-_aten = torch.ops.aten
-_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
-_INPLACE = {
-    _aten.addmm_.default: _aten.addmm.default,
-    _aten.baddbmm_.default: _aten.baddbmm.default,
-}
-
-
-class Fp32Matmul(TorchDispatchMode):
-    """For the PEFT baseline only: its bf16/fp16 CPU matmuls computed in fp32 and rounded back,
-    what mesp itself does in mesp/ops/matmul.py where the CPU has no bf16 GEMM (torch's fallback
-    is 5-160x slower than fp32 there), so that both sides of a comparison time an fp32 GEMM.
-    Sits below the tracker, so the exact peak sees bf16 in and out; RSS sees the fp32 copies."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        if func in _MATMULS or func in _INPLACE:
-            ts = [a for a in args if isinstance(a, torch.Tensor)]
-            if all(t.dtype in (torch.bfloat16, torch.float16) and not t.is_cuda for t in ts):
-                up = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
-                if func in _MATMULS:
-                    return func(*up, **kwargs).to(ts[0].dtype)
-                return args[0].copy_(_INPLACE[func](*up, **kwargs))
-        return func(*args, **kwargs)
-
-
-def _site() -> str:
-    """file:line(function) of the innermost frame outside torch and this module."""
-    f = sys._getframe(2)
-    here = os.path.abspath(__file__)
-    while f is not None:
-        path = f.f_code.co_filename
-        if path != here and f"{os.sep}torch{os.sep}" not in path and "memory_tracker" not in path:
-            return f"{os.path.basename(path)}:{f.f_lineno}({f.f_code.co_name})"
-        f = f.f_back
-    return "(unknown)"
 
 
 @dataclass
@@ -171,6 +93,8 @@ class ChildConfig:
     loss_fraction: float = 1.0  # trained share of positions (the last ones of the row)
     # mesp: a --max-memory budget; the planner picks how many tapes to keep under it
     max_memory: str | None = None
+    part: str = "memory"  # memory (exact peak + RSS) | time (GEMM probe + timed steps)
+    rss_steps: int = 1  # memory part: untracked steps whose RSS rise is measured (max taken)
 
 
 def shape_dict(name: str) -> dict[str, Any]:
@@ -299,6 +223,10 @@ def _floor(c: ChildConfig, cfg: Any, quant: Any, dtype: torch.dtype) -> tuple[An
 
 
 def measure(c: ChildConfig) -> dict[str, Any]:
+    if c.part not in PARTS:
+        raise MespError(f"part must be one of {', '.join(PARTS)}, got {c.part!r}")
+    if c.part == "time" and c.device == "meta":
+        raise MespError("the meta device has no time")
     if c.threads:
         torch.set_num_threads(c.threads)
     dtype = getattr(torch, c.dtype)
@@ -307,18 +235,37 @@ def measure(c: ChildConfig) -> dict[str, Any]:
     os.environ[matmul_ops.ENV] = c.matmul
     fp32_mm = matmul_ops.computes_in_fp32(torch.empty(0, dtype=dtype, device=c.device))
     baseline = c.engine == "peft" and fp32_mm
+    # the GEMM rate of this process, before the model exists and outside the dispatch mode
+    gemm = _gemm_probe(c, dtype) if c.part == "time" else None
     with Fp32Matmul() if baseline else contextlib.nullcontext():
-        res = _measure(c, dtype)
+        res = _measure(c, dtype, gemm)
     if not fp32_mm:
         res["matmul"] = "native"
     elif baseline:
         res["matmul"] = "fp32-accumulate substitute (PEFT baseline)"
     else:
         res["matmul"] = "fp32 compute, bf16 storage (mesp.ops.matmul, the product's path)"
+    res["bf16_gemm"] = matmul_ops.native_kernel(torch.bfloat16)
+    res["malloc_env"] = {k: os.environ[k] for k in FAITHFUL_MALLOC_ENV if k in os.environ}
     return res
 
 
-def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
+PARTS = ("memory", "time")
+
+
+def _model_config(c: ChildConfig) -> Any:
+    from mesp.config import ModelConfig
+
+    return ModelConfig.from_hf(shape_dict(c.shape), source=c.shape)
+
+
+def _gemm_probe(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
+    from mesp.bench.floor import gemm_rate
+
+    return gemm_rate(_model_config(c), c.batch * c.seq, dtype)
+
+
+def _measure(c: ChildConfig, dtype: torch.dtype, gemm: dict[str, Any] | None) -> dict[str, Any]:
     vocab = shape_dict(c.shape)["vocab_size"]
     g = torch.Generator().manual_seed(c.seed + 1)
     ids = torch.randint(0, vocab, (c.batch, c.seq + 1), generator=g)
@@ -331,8 +278,28 @@ def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
     step, weights, params, (opt, cfg, quant) = setup(c, dtype, batch)
     build_s = time.perf_counter() - t0
     losses = [step() for _ in range(c.warmup)]
+    common = {
+        "config": asdict(c),
+        "build_s": build_s,
+        "kept_tapes": _kept_tapes(c, cfg, quant, dtype) if c.max_memory else None,
+        "adapter_params": sum(p.numel() for p in params),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if c.part == "time":
+        res = _time_part(c, step, losses, gemm or {})
+    else:
+        res = _memory_part(c, step, losses, weights, params, opt)
+        floor, floor_note = _floor(c, cfg, quant, dtype)
+        res.update(floor=floor, floor_note=floor_note)
+    return {**common, **res, "losses": losses, "load_after": os.getloadavg()[0]}
 
-    # 1. Exact live-tensor peak of one step, split weights / adapter / working.
+
+def _memory_part(
+    c: ChildConfig, step: Step, losses: list[float], weights: list, params: list, opt: Any
+) -> dict[str, Any]:
+    """1. Exact live-tensor peak of one step, split weights / adapter / working; 2. the RSS
+    rise of untracked steps, VmHWM reset right before each."""
     gc.collect()
     opt.zero_grad(set_to_none=True)
     tracker = TimelineTracker(timeline=c.timeline)
@@ -348,50 +315,45 @@ def _measure(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
     timeline = tracker.downsampled(2000, base) if c.timeline else None
     del tracker
 
-    # 2. RSS and 3. time: untracked steps, VmHWM reset right before each.
-    times, rss_step, rss_peak, rss_before, hwm_ok = [], 0, 0, 0, True
-    for _ in range(0 if c.device == "meta" else max(1, c.steps)):
+    rss_step, rss_peak, rss_before, hwm_ok = 0, 0, 0, True
+    for _ in range(0 if c.device == "meta" else max(1, c.rss_steps)):
         gc.collect()
         hwm_ok = reset_peak_rss() and hwm_ok
         before = current_rss_bytes()
-        t = time.perf_counter()
         losses.append(step())
-        times.append(time.perf_counter() - t)
         peak = peak_rss_bytes()
         if peak - before > rss_step:
             rss_step, rss_before = peak - before, before
         rss_peak = max(rss_peak, peak)
-
-    floor, floor_note = _floor(c, cfg, quant, dtype)
-    median = statistics.median(times) if times else None
-    timing = {"median_s": median, "steps_s": times}
-    if median:
-        timing["tokens_per_s"] = c.batch * c.seq / median
+    rss = {"step_bytes": rss_step, "peak_bytes": rss_peak, "before_bytes": rss_before,
+           "hwm_reset": hwm_ok}  # fmt: skip
     return {
-        "config": asdict(c),
         "exact": split,
         "peak_composition": composition,
         "timeline": timeline,
-        "time": timing if times else None,
-        "rss": None
-        if c.device == "meta"
-        else {
-            "step_bytes": rss_step,
-            "peak_bytes": rss_peak,
-            "before_bytes": rss_before,
-            "hwm_reset": hwm_ok,
-        },
-        "build_s": build_s,
+        "rss": None if c.device == "meta" else rss,
         "tracked_s": tracked_s,
-        "floor": floor,
-        "floor_note": floor_note,
-        "kept_tapes": _kept_tapes(c, cfg, quant, dtype) if c.max_memory else None,
-        "losses": losses,
-        "adapter_params": sum(p.numel() for p in params),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "load_after": os.getloadavg()[0],
     }
+
+
+def _time_part(
+    c: ChildConfig, step: Step, losses: list[float], gemm: dict[str, Any]
+) -> dict[str, Any]:
+    """3. The median wall time of `steps` untracked steps, and the matmul floor beside it."""
+    from mesp.bench.floor import matmul_floor
+
+    times = []
+    for _ in range(max(1, c.steps)):
+        gc.collect()
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+    median = statistics.median(times)
+    tokens = c.batch * c.seq
+    timing = {"median_s": median, "steps_s": times, "tokens_per_s": tokens / median}
+    floor = matmul_floor(_model_config(c), tokens, gemm["gflops"])
+    timing["floor_ratio"] = median / floor["seconds"]
+    return {"time": timing, "gemm": gemm, "matmul_floor": floor}
 
 
 def main(argv: list[str]) -> int:

@@ -96,6 +96,7 @@ class BenchOptions:
     skip: tuple[str, ...] = ()  # "variant@shape" or "variant@shape@seq": not run, with a reason
     dtype: str = "bfloat16"
     steps: int = 3
+    rss_steps: int = 1
     warmup: int = 1
     timeout: float = 3600.0  # seconds per configuration
     threads: int | None = None
@@ -139,17 +140,52 @@ def _skip_reason(c: ChildConfig, opts: BenchOptions) -> str | None:
     return None
 
 
-def run_config(c: ChildConfig, timeout: float, threads_env: dict[str, str]) -> dict[str, Any]:
-    """One configuration in a fresh child; failures become rows, never exceptions."""
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+def run_part(
+    c: ChildConfig, part: str, timeout: float, threads_env: dict[str, str]
+) -> dict[str, Any]:
+    """One part of a configuration in a fresh child: the memory part with FAITHFUL_MALLOC_ENV
+    (RSS that follows live memory), the time part without it (MALLOC_MMAP_THRESHOLD_ makes
+    every temporary fresh page faults). Failures become rows, never exceptions."""
+    pc = replace(c, part=part)
     t0 = time.perf_counter()
     try:
-        res = run_child(["-m", "mesp.bench.child", json.dumps(asdict(c))], threads_env, timeout)
+        argv = ["-m", "mesp.bench.child", json.dumps(asdict(pc))]
+        res = run_child(argv, threads_env, timeout, faithful_malloc=part == "memory")
     except MespError as e:
         status = "skipped" if "timed out" in str(e) else "failed"
-        res = {"status": status, "reason": str(e), "config": asdict(c)}
-    res.update(wall_s=time.perf_counter() - t0, load_before=load)
+        res = {"status": status, "reason": str(e), "config": asdict(pc)}
+    res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+# What the time part adds to the memory part's row.
+_TIME_FIELDS = ("time", "gemm", "matmul_floor")
+
+
+def run_config(c: ChildConfig, timeout: float, threads_env: dict[str, str]) -> dict[str, Any]:
+    """One configuration: the memory child, then (on the CPU, if that one measured) the time
+    child; one row of both, with each child's status, malloc variables and wall time under
+    "children"."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    row = run_part(c, "memory", timeout, threads_env)
+    parts = {"memory": row}
+    if row.get("status") == "ok" and c.device != "meta":
+        parts["time"] = timed = run_part(c, "time", timeout, threads_env)
+        for k in _TIME_FIELDS:
+            row[k] = timed.get(k) if timed.get("status") == "ok" else None
+        if timed.get("status") != "ok":
+            row["time_reason"] = f"{timed.get('status')}: {timed.get('reason', '')}"
+        row["time_losses"] = timed.get("losses")
+        row["load_after"] = timed.get("load_after", row.get("load_after"))
+    else:
+        row.update({k: None for k in _TIME_FIELDS})
+    row["children"] = {
+        p: {k: r.get(k) for k in ("status", "reason", "malloc_env", "wall_s", "build_s")}
+        for p, r in parts.items()
+    }
+    row["config"] = {k: v for k, v in row["config"].items() if k != "part"}
+    row.update(wall_s=sum(r["wall_s"] for r in parts.values()), load_before=load)
+    return row
 
 
 def run_table(table: str, opts: BenchOptions) -> list[dict[str, Any]]:
@@ -169,6 +205,7 @@ def run_table(table: str, opts: BenchOptions) -> list[dict[str, Any]]:
                         dtype=opts.dtype,
                         warmup=opts.warmup,
                         steps=opts.steps,
+                        rss_steps=opts.rss_steps,
                         timeline=True,
                         threads=opts.threads,
                         matmul=opts.matmul,
@@ -196,9 +233,15 @@ def summary(row: dict[str, Any]) -> str:
         return f"{head} {row['status']} ({row.get('reason', '')})"
     e, mib = row["exact"], 2**20
     text = f"{head} exact total {e['total'] / mib:.1f} MiB, working {e['working'] / mib:.1f} MiB"
-    if row.get("rss") and row.get("time"):
+    if row.get("rss"):
         text += f", rss step {row['rss']['step_bytes'] / mib:.1f} MiB"
-        text += f", {row['time']['median_s']:.3g} s/step"
+    if row.get("time"):
+        t, f = row["time"], row.get("matmul_floor") or {}
+        text += f", {t['median_s']:.3g} s/step"
+        if f:
+            text += f" (matmul floor {f['seconds']:.3g} s, {t['floor_ratio']:.2f}x)"
+    elif row.get("time_reason"):
+        text += f", time {row['time_reason']}"
     return text + (" (meta device)" if c.get("device") == "meta" else "")
 
 

@@ -102,12 +102,16 @@ def run_child(
     faithful_malloc: bool = True,
 ) -> dict[str, Any]:
     """Run `python *argv` with FAITHFUL_MALLOC_ENV (unless `faithful_malloc` is False: timing
-    rows, where returning every free to the kernel turns temporaries into page faults) and mesp
-    importable; return the dict the child passed to report(). Raises MespError with the child's
-    last stderr line on failure."""
+    rows, where returning every free to the kernel turns temporaries into page faults; then
+    those variables are removed, even where this process inherited them) and mesp importable;
+    return the dict the child passed to report(). Raises MespError with the child's last
+    stderr line on failure."""
     env = dict(os.environ)
-    if faithful_malloc:
-        env.update(FAITHFUL_MALLOC_ENV)
+    for k in FAITHFUL_MALLOC_ENV:
+        if faithful_malloc:
+            env[k] = FAITHFUL_MALLOC_ENV[k]
+        else:
+            env.pop(k, None)
     env.update(env_extra or {})
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + path if path else "")
