@@ -13,26 +13,32 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from mesp.bench import decode as bench_decode
 from mesp.bench import dequant as bench_dequant
 from mesp.bench import dropin as dropin_bench
 from mesp.bench import ladder as bench_ladder
 from mesp.bench import ondevice as bench_ondevice
 from mesp.bench import softmax as bench_softmax
+from mesp.bench.cells import (
+    LABELS,
+    Key,
+    MiB,
+    Row,
+    cell_mem,
+    cell_rss,
+    cell_time,
+    floor_s,
+    fmt,
+    index,
+    mem,
+    ok,
+    ratio,
+    secs,
+)
+from mesp.bench.cells import grid as _grid
 from mesp.bench.output import load_rows, pyplot
 from mesp.bench.tables import TABLES
+from mesp.bench.targets import headline_dtype, targets
 
-MiB = 2**20
-Row = dict[str, Any]
-Key = tuple[str, int, int, str]  # shape, seq, rank, variant
-LABELS = {
-    "peft-gc": "peft+gc",
-    "mesp-fp": "mesp unquant.",
-    "mesp-store": "mesp store-h",
-    "mesp-disk": "mesp + disk ckpt",
-    "mesp-stream": "mesp + disk ckpt + streamed weights",
-    "mesp-budget": "mesp, every tape kept",
-}
 # FACTS.md, from the paper (iPhone 17 Pro): MeBP MB, s, MeSP MB, s.
 PAPER_T1 = {
     "qwen2.5-0.5b": (360.8, 0.68, 136.2, 0.86),
@@ -42,73 +48,6 @@ PAPER_T1 = {
 PAPER_SEQ = {128: (252.7, 110.7), 256: (360.8, 136.2), 512: (582.4, 245.8), 1024: (1050.3, 513.6)}
 PAPER_RANK = {4: 132.8, 8: 136.2, 16: 143.5, 32: 158.2}
 PAPER_H = {"mesp-store": (398.5, 3.85), "mesp": (368.4, 4.09)}
-
-
-def index(rows: list[Row], table: str, dtype: str) -> dict[Key, Row]:
-    """(shape, seq, rank, variant) -> row. A real (CPU) measurement wins over a meta one of
-    the same configuration: it has RSS and time as well as the (equal) exact peak."""
-    out: dict[Key, Row] = {}
-    for r in rows:
-        c = r.get("config", {})
-        if r.get("table") == table and c["dtype"] == dtype:
-            k = (c["shape"], c["seq"], c["rank"], c["variant"])
-            old = out.get(k)
-            if old is None or not ok(old) or (ok(r) and c.get("device", "cpu") == "cpu"):
-                out[k] = r
-    return out
-
-
-def ok(r: Row | None) -> bool:
-    return r is not None and r.get("status") == "ok"
-
-
-def mem(r: Row | None, part: str = "working") -> float | None:
-    return r["exact"][part] / MiB if ok(r) else None  # type: ignore[index]
-
-
-def secs(r: Row | None) -> float | None:
-    return r["time"]["median_s"] if ok(r) and r.get("time") else None  # type: ignore[union-attr]
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _status(r: Row | None) -> str:
-    if r is None:
-        return "not run"
-    reason = str(r.get("reason", ""))
-    return f"{r['status']} ({reason[:60]})" if reason else r["status"]
-
-
-def cell_mem(r: Row | None) -> str:
-    return f"{mem(r):.1f} ({mem(r, 'total'):.1f})" if ok(r) else _status(r)
-
-
-def cell_rss(r: Row | None) -> str:
-    if not ok(r):
-        return _status(r)
-    rss = r.get("rss")  # type: ignore[union-attr]
-    if not rss:
-        return "– (meta)"
-    return f"{rss['step_bytes'] / MiB:.1f} ({rss['peak_bytes'] / MiB:.0f})"
-
-
-def cell_time(r: Row | None) -> str:
-    if not ok(r):
-        return _status(r)
-    if secs(r) is None:
-        return "– (meta)"
-    return f"{secs(r):.3g} ({r['time']['tokens_per_s']:.3g})"  # type: ignore[index]
-
-
-def fmt(x: float | None, spec: str = ".2f") -> str:
-    return "–" if x is None else format(x, spec)
-
-
-def _grid(head: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return lines + ["| " + " | ".join(r) + " |" for r in body]
 
 
 def _variants(idx: dict[Key, Row]) -> list[str]:
@@ -144,10 +83,10 @@ def section(rows: list[Row], table: str, dtype: str) -> list[str]:
     any_c = next(iter(idx.values()))["config"]
     q = f"{any_c['bits']}-bit g{any_c['group_size']}" if any_c["bits"] else "unquantized"
     out = [
-        f"## {TABLES[table].title}",
+        f"## {TABLES[table].title} ({dtype})",
         "",
-        f"{dtype}, batch 1, SGD; base {q} except peft+gc "
-        "and mesp unquant. (bf16 base). Cells: working MiB (total MiB) of the exact peak; "
+        f"{dtype} rows only, batch 1, SGD; base {q} except peft+gc "
+        f"and mesp unquant. ({dtype} base). Cells: working MiB (total MiB) of the exact peak; "
         "reduction = 1 − mesp/mebp, as the paper computes it.",
         "",
     ]
@@ -178,7 +117,9 @@ def section(rows: list[Row], table: str, dtype: str) -> list[str]:
             tr = ratio(secs(idx.get((*k, "bp"))), secs(idx.get((*k, "mesp-budget"))))
         else:
             tr = ratio(secs(mesp), secs(idx.get((*k, "mebp"))))
-        time_rows.append([label, *map(cell_time, rs), fmt(tr)])
+        time_rows.append(
+            [label, *map(cell_time, rs), fmt(tr), fmt(ratio(secs(mesp), floor_s(mesp)))]
+        )
     out += _grid(
         [
             name,
@@ -192,12 +133,18 @@ def section(rows: list[Row], table: str, dtype: str) -> list[str]:
     )
     out += ["", "Process RSS of one step: rise over the RSS before it, MiB (absolute peak).", ""]
     out += _grid([name, *cols], rss_rows)
-    out += ["", "Time per step: median s (tokens/s).", ""]
+    out += ["", f"Time per step: median s (tokens/s); floor s: {FLOOR_CELL}", ""]
     last = {"offload": "streamed / mesp time", "budget": "every tape kept / bp tokens/s"}.get(
         table, "mesp/mebp time"
     )
-    out += _grid([name, *cols, last], time_rows)
+    out += _grid([name, *cols, last, "mesp / floor"], time_rows)
     return out + [""]
+
+
+FLOOR_CELL = (
+    "the matmul floor 6·N·T of that row at the GEMM rate its own time child measured just "
+    "before its steps (definition in the preamble)."
+)
 
 
 def composition(rows: list[Row], dtype: str, variant: str = "mesp", top: int = 12) -> list[str]:
@@ -213,68 +160,6 @@ def composition(rows: list[Row], dtype: str, variant: str = "mesp", top: int = 1
             for e in r["peak_composition"][:top]
         ]
         out += _grid(["MiB", "n", "made by (site, op, shape, dtype)"], body) + [""]
-    return out
-
-
-def targets(rows: list[Row]) -> list[str]:
-    """The acceptance targets (bf16), each with the measured figure."""
-    real = [r for r in rows if not r.get("quick")]  # tiny --quick shapes are not targets
-    t1, t2 = index(real, "table1", "bfloat16"), index(real, "table2", "bfloat16")
-    body: list[list[str]] = []
-    notes: list[str] = []
-
-    def add(what: str, value: float | None, limit: float, le: bool = True) -> None:
-        met = value is not None and (value <= limit if le else value >= limit)
-        status = "not measured" if value is None else ("met" if met else "MISSED")
-        body.append([what, fmt(value), f"{'≤' if le else '≥'} {limit:g}", status])
-
-    for (shape, seq, rank, v), r in sorted(t1.items()):
-        if v != "mesp":
-            continue
-        mebp, peft = t1.get((shape, seq, rank, "mebp")), t1.get((shape, seq, rank, "peft-gc"))
-        add(f"{shape}: mesp / mebp working", ratio(mem(r), mem(mebp)), 0.30)
-        add(f"{shape}: mesp / peft+gc total", ratio(mem(r, "total"), mem(peft, "total")), 0.20)
-        fp = t1.get((shape, seq, rank, "mesp-fp"))  # like for like: both bases unquantized
-        add(
-            f"{shape}: mesp unquant. / peft+gc total",
-            ratio(mem(fp, "total"), mem(peft, "total")),
-            0.20,
-        )
-        st = t1.get((shape, seq, rank, "mesp-stream"))  # + weights streamed from disk
-        add(
-            f"{shape}: mesp streamed weights / peft+gc total",
-            ratio(mem(st, "total"), mem(peft, "total")),
-            0.20,
-        )
-        add(f"{shape}: mesp / mebp step time", ratio(secs(r), secs(mebp)), 1.10)
-        tps = ratio(secs(peft), secs(r))  # = mesp tokens/s over peft tokens/s
-        add(f"{shape}: mesp / peft+gc tokens/s", tps, 1.0, le=False)
-        add(f"{shape}: mesp unquant. / peft+gc tokens/s", ratio(secs(peft), secs(fp)), 1.0, False)
-        notes += _bounds(shape, r, fp, peft)
-    s = {k[1]: r for k, r in t2.items() if k[3] == "mesp"}
-    add("mesp working, seq 4096 / seq 1024", ratio(mem(s.get(4096)), mem(s.get(1024))), 4.4)
-    return _grid(["target", "measured", "goal", ""], body) + ["", *notes, ""]
-
-
-def _bounds(shape: str, r: Row, fp: Row | None, peft: Row | None) -> list[str]:
-    """What bounds the PEFT comparisons, from the same rows."""
-    if not (ok(r) and ok(peft)):
-        return []
-    w, tot, pt = mem(r, "weights"), mem(r, "total"), mem(peft, "total")
-    out = [
-        f"- {shape}, total vs peft+gc: the frozen weights bound it. mesp holds {w:.0f} of its "
-        f"{tot:.0f} MiB in 4-bit weights (working {mem(r):.0f} MiB against peft+gc's "
-        f"{mem(peft):.0f}); at bf16, weights alone are {mem(fp, 'weights') or 0:.0f} of "
-        f"peft+gc's {pt:.0f} MiB, so no engine gets under {(mem(fp, 'weights') or 0) / pt:.2f} "
-        "without taking the weights out of memory, which `--stream-weights` does (row above)."
-    ]
-    if secs(r) and secs(peft) and secs(fp):
-        out.append(
-            f"- {shape}, speed vs peft+gc: mesp on the 4-bit base dequantizes every weight three "
-            "times a step (forward, recompute, backward), where peft+gc multiplies by its bf16 "
-            f"weights directly; on the same bf16 base mesp runs at "
-            f"{secs(peft) / secs(fp):.2f}x peft+gc's tokens/s."  # type: ignore[operator]
-        )
     return out
 
 
@@ -444,20 +329,87 @@ def plot_time(rows: list[Row], path: Path, dtype: str) -> Path | None:
     return path
 
 
-def make_plots(rows: list[Row], out: Path, dtype: str) -> list[Path]:
+def make_plots(rows: list[Row], out: Path, dtypes: list[str]) -> list[Path]:
+    """Each plot in the first of `dtypes` (headline first) that has its rows; one dtype per
+    plot, named in its title."""
+
+    def first(plot, name: str) -> Path | None:  # type: ignore[no-untyped-def]
+        return next((p for d in dtypes if (p := plot(rows, out / name, d))), None)
+
     made = [
-        plot_memory_vs_seq(rows, out / "memory_vs_seq.png", dtype),
-        plot_timeline(rows, out / "timeline.png", dtype),
-        plot_time(rows, out / "time_per_step.png", dtype),
+        first(plot_memory_vs_seq, "memory_vs_seq.png"),
+        first(plot_timeline, "timeline.png"),
+        first(plot_time, "time_per_step.png"),
         bench_ladder.plot(rows, out / "ladder.png"),
     ]
     return [p for p in made if p is not None]
 
 
-def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
-    """Plots into OUT, then MARKDOWN from every row under OUT (the tables that exist)."""
+def table_dtypes(rows: list[Row], headline: str) -> list[str]:
+    """The headline dtype first, then every other dtype the paper's tables have rows in."""
+    seen = {r["config"]["dtype"] for r in rows if r.get("table") in TABLES and "config" in r}
+    return [headline, *sorted(seen - {headline})]
+
+
+def preamble(rows: list[Row], headline: str) -> list[str]:
+    """How every row is measured: the two children, the malloc setting, the matmul floor."""
+    timed = [r for r in rows if r.get("table") in TABLES and secs(r) is not None]
+    old = sum(1 for r in timed if "children" not in r)
+    split = (
+        "Each configuration runs as two fresh processes. The memory child runs with glibc set "
+        "to return every free to the kernel (`MALLOC_MMAP_THRESHOLD_=65536 "
+        "MALLOC_TRIM_THRESHOLD_=0`, so RSS follows live memory) and measures the exact peak and "
+        "RSS; the time child runs without those variables, since they turn every temporary "
+        "into fresh page faults, and measures time (each row's JSON records the malloc "
+        "variables of each child under `children`)."
+    )
+    if old:
+        split += (
+            f" {old} timed row(s) here predate that split (no `children` record): their time "
+            "was measured in the memory process, under the malloc setting."
+        )
+    return [
+        split + " Random weights of the named shape, LoRA rank r on q,k,v,o,gate,up,down, one "
+        "random sequence, all tokens trained, warm-up step(s) first. Exact peak: every live "
+        "tensor storage during one step (engine step + SGD step). RSS: VmHWM reset right "
+        "before each untracked step, the largest rise kept. Time: median of untracked steps. "
+        "Rows marked '(meta)' were measured on PyTorch's meta device (`--device meta`): the "
+        "same code on shapes and dtypes without arithmetic, so their exact peak is what a CPU "
+        "run holds (tested rung by rung in tests/test_bench_ladder.py) but they have no RSS and "
+        "no time; a CPU row of the same configuration takes precedence.",
+        "",
+        "Matmul floor: 6·N·T / R. N counts the base weights that take part in matmuls (every "
+        "block's q, k, v, o, gate, up, down and the LM head), T the tokens of a step, and 6 is "
+        "2 flops per multiply-add for each of the forward, the recompute and the input "
+        "gradient (a frozen base has no weight gradient). R is the GEMM rate (GFLOP/s) the "
+        "row's own time child measured right before its steps: the block's projection shapes "
+        "at T rows, forward and input-gradient layouts, best of 5 passes, in the dtype the "
+        "GEMMs really run in (fp32 for bf16 rows on a CPU without a bf16 GEMM). LoRA, "
+        "attention and elementwise work are outside it, so no step beats its floor; a row "
+        "keeping every tape skips the recompute, so its own bound is 2/3 of its floor column.",
+        "",
+        _matmul_note(rows),
+        "",
+        f"Headline dtype: {headline}. "
+        + (
+            "This CPU has no native bf16 GEMM (mesp.ops.matmul's check), so fp32 rows are the "
+            "headline and the targets are evaluated on them; other dtypes' tables follow as "
+            "secondary sections. No table mixes dtypes."
+            if headline == "float32"
+            else "Other dtypes' tables follow as secondary sections. No table mixes dtypes."
+        ),
+        "",
+    ]
+
+
+def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
+    """Plots into OUT, then MARKDOWN from every row under OUT (the tables that exist): the
+    headline dtype's targets and tables (`dtype`, or headline_dtype of the rows), then each
+    other dtype's tables."""
     rows = load_rows(out)
-    pngs = make_plots(rows, out, dtype)
+    headline = dtype or headline_dtype(rows)
+    dtypes = table_dtypes(rows, headline)
+    pngs = make_plots(rows, out, dtypes)
     loads = [r["load_before"] for r in rows if r.get("load_before") is not None]
     lines = [
         "# Benchmarks",
@@ -468,34 +420,26 @@ def write_report(out: Path, markdown: Path, dtype: str = "bfloat16") -> Path:
         if loads
         else "",
         "",
-        "Each configuration runs in its own process (glibc set to return every free to the "
-        "kernel): random weights of the named shape, LoRA rank r on q,k,v,o,gate,up,down, one "
-        "random sequence, all tokens trained, warm-up step(s) first. Exact peak: every live "
-        "tensor storage during one step (engine step + SGD step). RSS: VmHWM reset right "
-        "before a step. Time: median of untracked steps. Rows marked '(meta)' were measured "
-        "on PyTorch's meta device (`--device meta`): the same code on shapes and dtypes "
-        "without arithmetic, so their exact peak is what a CPU run holds (tested rung by rung "
-        "in tests/test_bench_ladder.py) but they have no RSS and no time; a CPU row of the "
-        "same configuration takes precedence.",
+        *preamble(rows, headline),
+        f"## Targets ({headline})",
         "",
-        _matmul_note(rows),
-        "",
-        "## Targets (bf16)",
-        "",
-        *targets(rows),
+        *targets(rows, headline),
     ]
-    for table in TABLES:
-        lines += section(rows, table, dtype)
+    for i, dt in enumerate(dtypes):
+        body = [line for table in TABLES for line in section(rows, table, dt)]
+        if i and body:
+            lines += [f"# Secondary: {dt}", "", f"The paper's tables again, {dt} rows only.", ""]
+        lines += body
     lines += dtype_section(rows)
     lines += bench_ladder.section(rows)
     lines += bench_softmax.section(rows)
     lines += bench_dequant.section(rows)
-    lines += bench_decode.section(rows)
     lines += dropin_bench.section(rows)
     lines += bench_ondevice.section(rows)
-    comp = composition(rows, dtype)
-    if comp:
-        lines += ["## What makes up MeSP's peak", "", *comp]
+    for dt in dtypes:
+        comp = composition(rows, dt)
+        if comp:
+            lines += [f"## What makes up MeSP's peak ({dt})", "", *comp]
     if pngs:
         lines += ["## Plots", ""]
         rel = os.path.relpath(out, markdown.parent)

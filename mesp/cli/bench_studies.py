@@ -15,11 +15,12 @@ def measure_then_report(
     ns: argparse.Namespace,
     measure: Callable[[], Iterable[dict[str, Any]]],
     line: Callable[[dict[str, Any]], str],
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     mkdir: bool = False,
 ) -> int:
     """Measure (unless --report-only), one line per row; then, with --markdown, rebuild the
-    report from every row under --out."""
+    report from every row under --out (headline dtype: `dtype`, or the rows' own, see
+    mesp.bench.targets.headline_dtype)."""
     from mesp.bench.report import write_report
 
     if not ns.report_only:
