@@ -76,7 +76,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPES,
         default=None,
-        help="compute dtype (default bfloat16; ladder: float32, as its paper)",
+        help="compute dtype (default: float32 where the CPU has no native bf16 GEMM, else "
+        "bfloat16, the report's headline dtype; ladder: float32, as its paper)",
     )
     p.add_argument(
         "--device",
@@ -98,6 +99,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--vocab-subset", type=int, default=1000, help="softmax: K")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument(
+        "--rss-steps",
+        type=int,
+        default=1,
+        help="tables: untracked steps of the memory child whose RSS rise is measured (the "
+        "time child runs --steps, without the RSS malloc setting)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument(
@@ -127,6 +135,8 @@ def command_line(ns: argparse.Namespace) -> str:
         if val:
             parts += [flag, ",".join(map(str, val))]
     parts += ["--dtype", ns.dtype, "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    if getattr(ns, "rss_steps", 1) != 1:
+        parts += ["--rss-steps", str(ns.rss_steps)]
     if ns.threads:
         parts += ["--threads", str(ns.threads)]
     if ns.matmul != "auto":
@@ -141,6 +151,7 @@ def command_line(ns: argparse.Namespace) -> str:
 
 def run(ns: argparse.Namespace) -> int:
     from mesp.bench.tables import BenchOptions, run_table, summary
+    from mesp.bench.targets import cpu_dtype
 
     if ns.table == "dropin":
         return bench_studies.run_dropin(ns)
@@ -155,10 +166,10 @@ def run(ns: argparse.Namespace) -> int:
     if ns.table == "ladder":
         ns.dtype, ns.device = ns.dtype or "float32", ns.device or "meta"
         return bench_studies.run_ladder(ns)
-    ns.dtype, ns.device = ns.dtype or "bfloat16", ns.device or "cpu"
+    ns.dtype, ns.device = ns.dtype or cpu_dtype(), ns.device or "cpu"
 
-    if ns.steps < 1 or ns.warmup < 0:
-        raise MespError("--steps must be >= 1 and --warmup >= 0")
+    if ns.steps < 1 or ns.warmup < 0 or ns.rss_steps < 1:
+        raise MespError("--steps and --rss-steps must be >= 1 and --warmup >= 0")
     quick = ns.quick or ns.table == "quick"
     table = "table1" if ns.table == "quick" else ns.table
     if quick and ns.threads is None:
@@ -172,6 +183,7 @@ def run(ns: argparse.Namespace) -> int:
         skip=tuple(ns.skip),
         dtype=ns.dtype,
         steps=ns.steps,
+        rss_steps=ns.rss_steps,
         warmup=ns.warmup,
         timeout=ns.timeout,
         threads=ns.threads,
@@ -180,7 +192,7 @@ def run(ns: argparse.Namespace) -> int:
         out=ns.out,
         command=command_line(ns),
     )
-    return measure_then_report(ns, lambda: run_table(table, opts), summary, ns.dtype, mkdir=True)
+    return measure_then_report(ns, lambda: run_table(table, opts), summary, mkdir=True)
 
 
 __all__ = ["add_parser", "run"]
