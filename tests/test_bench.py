@@ -12,6 +12,7 @@ import pytest
 from mesp.bench.output import load_rows
 from mesp.bench.tables import QUICK
 from mesp.cli.bench import add_parser, run
+from mesp.memory.rss import FAITHFUL_MALLOC_ENV
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,12 @@ def test_rows_for_every_engine(quick_run: tuple[Path, Path, list[dict]]) -> None
         assert e["total"] == e["weights"] + e["adapter"] + e["working"]
         assert r["rss"]["peak_bytes"] > 0 and r["time"]["median_s"] > 0
         assert r["timeline"] and max(r["timeline"]) > 0
+        # RSS from a child under the faithful-malloc setting, time from one without it: the
+        # variables each real child process saw, as it reported them
+        assert r["children"]["memory"]["malloc_env"] == FAITHFUL_MALLOC_ENV
+        assert r["children"]["time"]["malloc_env"] == {}
+        assert r["matmul_floor"]["params"] == 655_360 and r["gemm"]["gflops"] > 0
+        assert r["time"]["floor_ratio"] == r["time"]["median_s"] / r["matmul_floor"]["seconds"]
     assert len(list((out / "rows" / "table1").glob("*.json"))) == len(by_variant)
 
 
