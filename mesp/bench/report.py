@@ -298,6 +298,8 @@ def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
         body = [line for table in TABLES for line in section(rows, table, dt)]
         if i and body:
             lines += [f"# Secondary: {dt}", "", f"The paper's tables again, {dt} rows only.", ""]
+            lines += [f"## Targets on {dt} rows (secondary; the headline's are above)", ""]
+            lines += targets(rows, dt)
         lines += body
     lines += dtype_section(rows)
     lines += bench_ladder.section(rows)
