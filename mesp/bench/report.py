@@ -223,7 +223,7 @@ def table_dtypes(rows: list[Row], headline: str) -> list[str]:
 def preamble(rows: list[Row], headline: str) -> list[str]:
     """How every row is measured: the two children, the malloc setting, the matmul floor."""
     timed = [r for r in rows if r.get("table") in TABLES and secs(r) is not None]
-    old = sum(1 for r in timed if "children" not in r)
+    old = sorted({f"{r['table']} {r['config']['dtype']}" for r in timed if "children" not in r})
     split = (
         "Each configuration runs as two fresh processes. The memory child runs with glibc set "
         "to return every free to the kernel (`MALLOC_MMAP_THRESHOLD_=65536 "
@@ -234,8 +234,8 @@ def preamble(rows: list[Row], headline: str) -> list[str]:
     )
     if old:
         split += (
-            f" {old} timed row(s) here predate that split (no `children` record): their time "
-            "was measured in the memory process, under the malloc setting."
+            f" Timed rows of {', '.join(old)} predate that split (no `children` record): their "
+            "time was measured in the memory process, under the malloc setting."
         )
     return [
         split + " Random weights of the named shape, LoRA rank r on q,k,v,o,gate,up,down, one "
