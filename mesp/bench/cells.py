@@ -23,7 +23,7 @@ def index(rows: list[Row], table: str, dtype: str) -> dict[Key, Row]:
     the same configuration: it has RSS and time as well as the (equal) exact peak."""
     out: dict[Key, Row] = {}
     for r in rows:
-        c = r["config"]
+        c = r.get("config", {})  # rows of other benchmarks (decode) may have no config
         if r.get("table") == table and c["dtype"] == dtype:
             k = (c["shape"], c["seq"], c["rank"], c["variant"])
             old = out.get(k)

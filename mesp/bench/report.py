@@ -13,6 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from mesp.bench import decode as bench_decode
 from mesp.bench import dequant as bench_dequant
 from mesp.bench import dropin as dropin_bench
 from mesp.bench import ladder as bench_ladder
@@ -305,6 +306,7 @@ def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
     lines += bench_ladder.section(rows)
     lines += bench_softmax.section(rows)
     lines += bench_dequant.section(rows)
+    lines += bench_decode.section(rows)
     lines += dropin_bench.section(rows)
     lines += bench_ondevice.section(rows)
     for dt in dtypes:
