@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from mesp.atomic_io import atomic_write
 from mesp.errors import MespError
+from mesp.models.linear import Linear
 from mesp.models.transformer import LORA_TARGETS, CausalLM
 
 PEFT_PREFIX = "base_model.model."
@@ -180,10 +181,16 @@ def load_adapter(model: CausalLM, adapter_dir: Path) -> LoraConfig:
 
 
 @torch.no_grad()
+def merged_weight(mod: Linear) -> torch.Tensor:
+    """W + s·BA of one adapted linear, in float32: a fresh tensor, the module is untouched."""
+    return mod.dense(torch.float32) + mod.lora_scale * (mod.lora_B.float() @ mod.lora_A.float())
+
+
+@torch.no_grad()
 def merge_lora(model: CausalLM, keep_quant: bool = True) -> None:
     """Fold s·BA into each base weight (in float32) and drop the adapters; a quantized base
     is requantized at its own spec, or left dense with keep_quant=False."""
     for mod in model.lora_modules().values():
-        w = mod.dense(torch.float32) + mod.lora_scale * (mod.lora_B.float() @ mod.lora_A.float())
+        w = merged_weight(mod)
         mod.set_dense(w.to(model.dtype), mod.quant if keep_quant else None)
         mod.remove_lora()
