@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from mesp.cli import main
 from mesp.convert.gguf_model import write_model_gguf
 from mesp.convert.gguf_vocab import vocab_kvs
-from mesp.convert.merge import model_tensors
+from mesp.convert.merge import merged_tensors
 from mesp.loading import load_model
 from tests.test_merge import _adapter
 from tests.tiny_dir import make_model_dir
@@ -78,7 +78,9 @@ def test_adapter_gguf_is_what_llama_cpp_converter_writes(family: str, tmp_path: 
     loaded = load_model(base)
     base_gguf = tmp_path / "base.gguf"
     vocab = vocab_kvs(loaded, loaded.model.config.vocab_size)
-    write_model_gguf(loaded.model.config, model_tensors(loaded.model), vocab, base_gguf, "f32", "b")
+    write_model_gguf(
+        loaded.model.config, merged_tensors(loaded.model), vocab, base_gguf, "f32", "b"
+    )
     argv = ["merge", "--model", str(base), "--adapter", str(tmp_path / "ad")]
     assert main([*argv, "--out", str(tmp_path / "m.gguf")]) == 0
     merged, before = _tensors(tmp_path / "m.gguf"), _tensors(base_gguf)

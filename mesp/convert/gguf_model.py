@@ -10,6 +10,10 @@ What the converter does, and so what we do (mesp/loading/gguf.py undoes each on 
   (`LlamaModel.generate_extra_tensors`);
 - 1-D tensors and norms stay F32; 2-D ones take the chosen type, and a row length that the
   block size does not divide falls back to F16 (the converter's fallback).
+The file is streamed: every tensor's name, shape and type (so its byte size) follow from its
+shape alone, so the header, keys and tensor infos are written first, then each tensor is made
+(merged, permuted, quantized) right before its bytes are written and dropped after: the peak is
+the model plus one tensor's working set, not the model plus every output.
 The hyperparameter keys are those `TextModel.set_gguf_parameters` and the per-family classes
 write; the tokenizer keys come from `gguf_vocab`.
 """
@@ -17,7 +21,7 @@ write; the tokenizer keys come from `gguf_vocab`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import gguf
@@ -81,11 +85,11 @@ def to_llama_cpp(gguf_name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w
 
 
-def storage_type(gguf_name: str, w: np.ndarray, want: QT) -> QT:
-    if w.ndim <= 1 or gguf_name.endswith("_norm.weight") or want == QT.F32:
+def storage_type(gguf_name: str, shape: tuple[int, ...], want: QT) -> QT:
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or want == QT.F32:
         return QT.F32
     block = gguf.GGML_QUANT_SIZES[want][0]
-    return want if w.shape[-1] % block == 0 else QT.F16
+    return want if shape[-1] % block == 0 else QT.F16
 
 
 def llama3_rope_freqs(cfg: ModelConfig) -> np.ndarray | None:
@@ -141,42 +145,68 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
             w.add_attention_scale(1.0 / math.sqrt(qpas))
 
 
+# a tensor not made yet: its (HF) shape, and what makes it (in any float dtype)
+Make = Callable[[], torch.Tensor]
+LazyTensor = tuple[tuple[int, ...], Make]
+
+
 def write_model_gguf(
     cfg: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, LazyTensor],
     vocab: list[KV],
     out: Path,
     gguf_type: str,
     name: str,
 ) -> None:
-    """Write HF-named dense `tensors` of a `cfg` model to `out` (atomically)."""
+    """Write HF-named `tensors` of a `cfg` model to `out` (atomically), making each one only
+    when its bytes are due (see the module docstring)."""
     if gguf_type not in GGUF_TYPES:
         raise MespError(f"--gguf-type {gguf_type!r}: choose from {', '.join(GGUF_TYPES)}")
     want, ftype = GGUF_TYPES[gguf_type]
     if cfg.tie_word_embeddings:  # llama.cpp reuses token_embd when output.weight is absent
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     names = gguf_names(cfg, tensors)
+    # (gguf name, shape, type, maker of the stored array), in file order
+    plan: list[tuple[str, tuple[int, ...], QT, Callable[[], np.ndarray]]] = []
+    for hf_name, (shape, make) in tensors.items():
+        gname = names[hf_name]
+        qtype = storage_type(gname, tuple(shape), want)
+
+        def stored(gname: str = gname, make: Make = make, qtype: QT = qtype) -> np.ndarray:
+            w32 = to_llama_cpp(gname, make().detach().float().cpu().numpy(), cfg)
+            return gguf.quants.quantize(w32, qtype)  # F32: w32 itself, no copy
+
+        plan.append((gname, tuple(shape), qtype, stored))
     freqs = llama3_rope_freqs(cfg)
+    if freqs is not None:
+        plan.append(("rope_freqs.weight", freqs.shape, QT.F32, lambda: freqs))
 
     def write(path: str) -> None:
         w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCHS[cfg.family]])
-        w.add_type(gguf.GGUFType.MODEL)
-        w.add_name(name)
-        add_hparams(w, cfg)
-        w.add_file_type(ftype)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for kv in vocab:
-            w.add_key_value(kv.key, kv.value, kv.vtype, kv.sub)
-        for hf_name, t in tensors.items():
-            gname = names[hf_name]
-            data = to_llama_cpp(gname, t.detach().float().cpu().numpy(), cfg)
-            qtype = storage_type(gname, data, want)
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        if freqs is not None:
-            w.add_tensor("rope_freqs.weight", freqs, raw_dtype=QT.F32)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        try:
+            w.add_type(gguf.GGUFType.MODEL)
+            w.add_name(name)
+            add_hparams(w, cfg)
+            w.add_file_type(ftype)
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            for kv in vocab:
+                w.add_key_value(kv.key, kv.value, kv.vtype, kv.sub)
+            sizes = []
+            for gname, shape, qtype, _ in plan:
+                nbytes = math.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype))
+                # a non-uint8 dtype: `shape` is taken as the element shape, not the byte shape
+                w.add_tensor_info(gname, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+                sizes.append(nbytes)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for (gname, _, _, make), nbytes in zip(plan, sizes, strict=True):
+                data = make()
+                if data.nbytes != nbytes:  # the tensor info already promised nbytes
+                    raise MespError(f"{gname}: made {data.nbytes} bytes, expected {nbytes}")
+                w.write_tensor_data(data)  # pads to the alignment before and after
+                del data
+        finally:
+            w.close()
 
     atomic_write(out, write)

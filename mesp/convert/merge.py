@@ -18,14 +18,14 @@ import torch
 from safetensors.torch import save_file
 
 from mesp.atomic_io import atomic_write
-from mesp.convert.gguf_model import DEFAULT_TYPE, GGUF_TYPES, write_model_gguf
+from mesp.convert.gguf_model import DEFAULT_TYPE, GGUF_TYPES, LazyTensor, write_model_gguf
 from mesp.convert.gguf_vocab import vocab_kvs
 from mesp.errors import MespError
 from mesp.loading.build import expected_tensors
 from mesp.loading.session import ModelOptions, open_model
 from mesp.loading.tokenizer import Tokenizer
-from mesp.lora import check_output_dir, load_adapter, merge_lora
-from mesp.models.linear import FrozenWeight
+from mesp.lora import check_output_dir, load_adapter, merge_lora, merged_weight
+from mesp.models.linear import FrozenWeight, Linear
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
 
@@ -63,6 +63,24 @@ def model_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
         else:
             out[name] = getattr(mod, attr)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def merged_tensors(model: CausalLM) -> dict[str, LazyTensor]:
+    """The tensors of the merged model, each made only when called: W + s·BA for an adapted
+    linear (the module keeps its adapter), a quantized weight dequantized, anything else the
+    model's own tensor. What merge_into_base + model_tensors give, without holding them all."""
+    modules = dict(model.named_modules())
+    out: dict[str, LazyTensor] = {}
+    for name, shape in expected_tensors(model).items():
+        mod_name, attr = name.rsplit(".", 1)
+        mod = modules[mod_name]
+        if isinstance(mod, Linear) and attr == "weight" and mod.rank:
+            out[name] = (shape, lambda mod=mod: merged_weight(mod))
+        elif isinstance(mod, FrozenWeight) and attr == "weight":
+            out[name] = (shape, lambda mod=mod: mod.dense())
+        else:
+            out[name] = (shape, lambda mod=mod, attr=attr: getattr(mod, attr))
+    return out
 
 
 def write_model_dir(model: CausalLM, tok: Tokenizer | None, out: Path) -> None:
@@ -168,9 +186,9 @@ def merge_to_gguf(opts: ModelOptions, m: MergeOptions) -> str:
     loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype="float32"))
     cfg = load_adapter(loaded.model, Path(m.adapter))
     vocab = vocab_kvs(loaded, loaded.model.config.vocab_size)  # fail before the merge
-    merge_into_base(loaded.model, None)
     name = Path(loaded.source).stem if Path(loaded.source).suffix else Path(loaded.source).name
-    write_model_gguf(loaded.model.config, model_tensors(loaded.model), vocab, out, gtype, name)
+    # each weight is merged (and quantized) only as the file reaches it
+    write_model_gguf(loaded.model.config, merged_tensors(loaded.model), vocab, out, gtype, name)
     return (
         f"mesp: merged rank-{cfg.rank} adapter {m.adapter} into {loaded.source}; {gtype} GGUF {out}"
     )
