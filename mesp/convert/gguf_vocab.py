@@ -1,11 +1,12 @@
 """The `tokenizer.*` metadata of a GGUF file we write: copied from a GGUF source, or built from
 an HF tokenizer.json the way llama.cpp's convert_hf_to_gguf.py builds it (`_set_vocab_gpt2`).
 
-From tokenizer.json we write byte-level BPE vocabularies only (SmolLM2, Qwen2/2.5/3, Llama 3
-and any tokenizer.json of that kind), where the pre-tokenizer is one llama.cpp names in
-`tokenizer.ggml.pre` and mesp's own GGUF reader rebuilds (`PRE_SPLITS`); SentencePiece-style
-vocabularies (Gemma's, Llama 2's) need scores llama.cpp takes from tokenizer.model, so those
-get a one-line error: merge from the model's GGUF, or convert with llama.cpp's own script.
+From tokenizer.json we write byte-level BPE vocabularies (SmolLM2, Qwen2/2.5/3, Llama 3 and any
+tokenizer.json of that kind), where the pre-tokenizer is one llama.cpp names in
+`tokenizer.ggml.pre` and mesp's own GGUF reader rebuilds (`PRE_SPLITS`), and SentencePiece-style
+BPE with byte fallback (Llama 2's, Mistral's, Gemma's: gguf_spm.py). Anything else (a Unigram
+model, WordPiece, an unknown pre-tokenizer) gets a one-line error: merge from the model's GGUF,
+or convert with llama.cpp's own script.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def vocab_kvs(loaded: Loaded, n_rows: int) -> list[KV]:
         raise MespError(
             f"{loaded.source}: no tokenizer (tokenizer.json); llama.cpp needs one in the GGUF"
         )
+    spec = json.loads(loaded.tokenizer.backend.to_str())
+    model = spec.get("model", {})
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        from mesp.convert.gguf_spm import sentencepiece_kvs  # it imports KV from here
+
+        family = loaded.model.config.family
+        return sentencepiece_kvs(loaded.tokenizer, n_rows, loaded.source, family)
     return byte_level_kvs(loaded.tokenizer, n_rows, loaded.source)
 
 
@@ -90,8 +98,9 @@ def byte_level_kvs(tok: Tokenizer, n_rows: int, where: str) -> list[KV]:
     pre = _pre_name(spec.get("pre_tokenizer"))
     if model.get("type") != "BPE" or model.get("byte_fallback") or pre is None:
         raise MespError(
-            f"{where}: only byte-level BPE tokenizers (SmolLM2, Qwen, Llama 3 style) can be "
-            "written to GGUF from tokenizer.json; merge from the model's .gguf file instead, "
+            f"{where}: only byte-level BPE tokenizers (SmolLM2, Qwen, Llama 3 style) and "
+            "SentencePiece-style BPE with byte fallback (Llama 2, Gemma) can be written to GGUF "
+            "from tokenizer.json; merge from the model's .gguf file instead, "
             "or convert the merged directory with llama.cpp's convert_hf_to_gguf.py"
         )
     norm = spec.get("normalizer")
