@@ -20,7 +20,8 @@ import torch
 
 from mesp.cli import main
 from mesp.convert import gguf_model as gm
-from mesp.convert.gguf_vocab import KV, vocab_kvs
+from mesp.convert.gguf_spm import KV
+from mesp.convert.gguf_vocab import vocab_kvs
 from mesp.convert.merge import merge_into_base, merged_tensors, model_tensors
 from mesp.loading import load_model
 from mesp.lora import load_adapter

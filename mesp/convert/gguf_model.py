@@ -32,7 +32,7 @@ from gguf import LlamaFileType as FT
 
 from mesp.atomic_io import atomic_write
 from mesp.config import FULL, SLIDING, ModelConfig
-from mesp.convert.gguf_vocab import KV
+from mesp.convert.gguf_spm import KV
 from mesp.errors import MespError
 
 # --gguf-type -> (tensor type of 2-D weights, general.file_type)

@@ -21,16 +21,27 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from gguf import GGUFValueType as VT
 from gguf import TokenType
 
-from mesp.convert.gguf_vocab import KV
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer
 
 GEMMA = ("gemma", "gemma2", "gemma3")
+
+
+class KV(NamedTuple):
+    """One GGUF metadata key as GGUFWriter.add_key_value takes it (here, not in gguf_vocab,
+    which imports this module)."""
+
+    key: str
+    value: Any
+    vtype: VT
+    sub: VT | None = None
+
+
 _BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 

@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from gguf import GGUFValueType as VT
 from gguf import TokenType
 
+from mesp.convert.gguf_spm import KV, sentencepiece_kvs
 from mesp.errors import MespError
 from mesp.loading import Loaded
 from mesp.loading.gguf import read_metadata
 from mesp.loading.gguf_tokenizer import PRE_SPLITS
 from mesp.loading.tokenizer import Tokenizer
-
-
-class KV(NamedTuple):
-    key: str
-    value: Any
-    vtype: VT
-    sub: VT | None = None
 
 
 def vocab_kvs(loaded: Loaded, n_rows: int) -> list[KV]:
@@ -48,8 +42,6 @@ def vocab_kvs(loaded: Loaded, n_rows: int) -> list[KV]:
     spec = json.loads(loaded.tokenizer.backend.to_str())
     model = spec.get("model", {})
     if model.get("type") == "BPE" and model.get("byte_fallback"):
-        from mesp.convert.gguf_spm import sentencepiece_kvs  # it imports KV from here
-
         family = loaded.model.config.family
         return sentencepiece_kvs(loaded.tokenizer, n_rows, loaded.source, family)
     return byte_level_kvs(loaded.tokenizer, n_rows, loaded.source)
