@@ -20,14 +20,23 @@ def _reason(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """`write(tmp_path)` into a temp file in the same directory, fsync it, rename it over
-    `path`, fsync the directory (so the rename itself survives a power cut)."""
+    `path`, fsync the directory (so the rename itself survives a power cut). The file gets
+    the mode a plain open() would give it (mkstemp's 0600 would hide an exported model or
+    adapter from the other users of a shared machine, or from a server such as Ollama)."""
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         os.close(fd)
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
