@@ -166,13 +166,16 @@ def dtype_section(rows: list[Row]) -> list[str]:
         if r.get("table") in TABLES and secs(r) is not None:
             k = (r["table"], c["variant"], c["shape"], c["seq"], c["rank"])
             timed.setdefault(k, {})[c["dtype"]] = r
-    body = []
+    body, unpaired = [], []
     for k, by in sorted(timed.items()):
         f32, b16 = by.get("float32"), by.get("bfloat16")
         if f32 is None or b16 is None:
             continue
         t, v, shape, seq, rank = k
         label = f"{LABELS.get(v, v)}, {shape} s{seq} r{rank} ({t})"
+        if f32.get("threads") != b16.get("threads") or ("children" in f32) != ("children" in b16):
+            unpaired.append(label)  # not timed alike (threads, malloc): no honest ratio
+            continue
         path = str(b16.get("matmul", "–")).split(" (")[0]
         row = [label, cell_time(f32), cell_time(b16), fmt(ratio(secs(b16), secs(f32))), path]
         body.append(row)
@@ -181,7 +184,14 @@ def dtype_section(rows: list[Row]) -> list[str]:
     head = ["configuration", "fp32 s (tokens/s)", "bf16 s (tokens/s)", "bf16 / fp32", "bf16 path"]
     out = ["## bf16 against fp32", "", "Median step time of the same configuration in both "]
     out[-1] += "dtypes (issue 17's target: bf16 within 1.15x of fp32)."
-    return [*out, "", *_grid(head, body), ""]
+    notes = []
+    if unpaired:
+        notes = [
+            "",
+            "Not paired (their two rows were timed with different thread counts or malloc "
+            f"settings; re-measure both to compare): {'; '.join(unpaired)}.",
+        ]
+    return [*out, "", *_grid(head, body), *notes, ""]
 
 
 def _matmul_note(rows: list[Row]) -> str:
@@ -272,6 +282,21 @@ def preamble(rows: list[Row], headline: str) -> list[str]:
     ]
 
 
+def cuda_section(rows: list[Row]) -> list[str]:
+    """Says so while no row was measured on a CUDA device (issue 17: CUDA is written but its
+    numbers need a GPU; a row with config.device cuda replaces this with the tables above)."""
+    if any(str(r.get("config", {}).get("device", "")).startswith("cuda") for r in rows):
+        return []
+    return [
+        "## CUDA",
+        "",
+        "Not yet measured. The CUDA path (`--device cuda`, NCCL data parallel) is written and "
+        "its code is tested on the CPU, but no row here ran on a GPU: none was available to "
+        "this project's machines when these rows were taken.",
+        "",
+    ]
+
+
 def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
     """Plots into OUT, then MARKDOWN from every row under OUT (the tables that exist): the
     headline dtype's targets and tables (`dtype`, or headline_dtype of the rows), then each
@@ -309,6 +334,7 @@ def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
     lines += bench_decode.section(rows)
     lines += dropin_bench.section(rows)
     lines += bench_ondevice.section(rows)
+    lines += cuda_section(rows)
     for dt in dtypes:
         comp = composition(rows, dt)
         if comp:

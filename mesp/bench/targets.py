@@ -112,10 +112,14 @@ def _floor_note(shape: str, r: Row, fp: Row | None) -> str:
     y = ratio(secs(fp), floor_s(fp))
     if y is None:
         return text + " (dequantization, attention, LoRA, norms, CE, GEMMs below the probe rate)."
+    rates = r["gemm"]["gflops"], fp["gemm"]["gflops"]  # type: ignore[index]
     return text + (
         f": on the unquantized base mesp's step is {y:.2f}x its floor, so dequantizing the 4-bit "
-        f"weights (forward, recompute, backward) holds about {(x - y) * fl:.3g} s and attention, "
-        f"LoRA, norms, CE and GEMMs below the probe rate the remaining {(y - 1) * fl:.3g} s."
+        f"weights (forward, recompute, backward) holds about {(x - y) * fl:.3g} s measured "
+        f"against each row's own floor ({secs(r) - secs(fp):.3g} s of raw step time, with GEMM "  # type: ignore[operator]
+        f"rates probed at {rates[0]:.0f} and {rates[1]:.0f} GFLOP/s in the two children), and "
+        f"attention, LoRA, norms, CE and GEMMs below the probe rate the remaining "
+        f"{(y - 1) * fl:.3g} s."
     )
 
 
