@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from mesp.errors import MespError
+from mesp.ops import native
 
 _EPS = 1e-7  # MLX's floor on the group scale
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -171,6 +172,10 @@ def _dequantize_into(
     """Row blocks of about DEQUANT_BLOCK output bytes: unpack straight into out, then one
     in-place multiply and one add per block, broadcasting each group's scale and bias.
     Multiply, round, add, round: the same two roundings as MLX (addcmul would fuse them)."""
+    if not _tracing() and native.dequantize_into(
+        wq, scales, biases, spec.bits, spec.group_size, out
+    ):  # one sweep, the same bits (mesp/ops/dequant.c)
+        return out
     rows, in_f = out.shape
     s, b = scales.to(out.dtype).unsqueeze(-1), biases.to(out.dtype).unsqueeze(-1)
     if _tracing():  # an exported graph: one block, and no loop over a (maybe dynamic) row count

@@ -6,7 +6,8 @@ rank, e the compute dtype's bytes, f = max(e, 4) (norms, activation derivatives 
 run in fp32), c = min(512, T) CE rows per chunk, V' = V, or 8192 when the head is sliced.
 W(o, i; x) is dequantizing an o×i weight and then allocating x bytes: o·i·e + max(u, x), u the
 4-bit unpack's scratch, two int16 planes of the row block being unpacked, 2·i·min(o, ⌊4 MiB /
-(i·e)⌋) bytes (freed before x exists); a dense base is used in place: x.
+(i·e)⌋) bytes (freed before x exists; 0 where mesp.ops.native dequantizes in one sweep); a
+dense base is used in place: x.
 
 State, live for the whole step:
   weights      `mesp.loading.info.weight_bytes` (packed when quantized)
@@ -64,6 +65,7 @@ from mesp.errors import MespError
 from mesp.loading.info import weight_bytes
 from mesp.models import FAMILIES
 from mesp.models.transformer import LORA_TARGETS
+from mesp.ops import native
 from mesp.quant import DEQUANT_BLOCK, QuantSpec
 
 ENGINES = ("bp", "mebp", "mesp", "mezo")
@@ -93,6 +95,7 @@ class Sizes:
     softcap: bool
     tables: int  # RoPE cos/sin tables and the sliding-window mask, bytes
     window_mask: int  # the additive (S, S) mask a windowed flash-attention call builds, bytes
+    torch_unpack: bool = True  # the pure-torch dequantizer (not mesp.ops.native's one sweep)
 
     @property
     def T(self) -> int:
@@ -101,13 +104,13 @@ class Sizes:
     def deq(self, out: int, inp: int, then: int = 0) -> int:
         """Peak bytes of dequantizing an out×inp weight and then allocating `then` bytes beside
         it: the weight plus the larger of the 4-bit unpack's scratch (two int16 planes of one
-        row block, see quant.DEQUANT_BLOCK; freed once unpacked) and `then`. A dense base
-        is used in place: just `then`."""
+        row block, see quant.DEQUANT_BLOCK; freed once unpacked; none where the native
+        kernel dequantizes in one sweep) and `then`. A dense base is used in place: `then`."""
         q = self.quant
         if q is None or inp % q.group_size:
             return then
         block_rows = min(out, max(1, DEQUANT_BLOCK // (inp * self.e)))
-        scratch = 2 * block_rows * inp if q.bits == 4 else 0
+        scratch = 2 * block_rows * inp if q.bits == 4 and self.torch_unpack else 0
         return out * inp * self.e + max(scratch, then)
 
     def lin_in_out(self) -> dict[str, tuple[int, int]]:
@@ -146,6 +149,7 @@ def sizes(
     if bad:
         raise MespError(f"unknown LoRA target(s) {bad}; choose from {list(LORA_TARGETS)}")
     return Sizes(
+        torch_unpack=dtype not in (torch.float32, torch.bfloat16) or native.library() is None,
         B=batch,
         S=seq_len,
         D=cfg.hidden_size,
