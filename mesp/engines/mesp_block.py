@@ -10,7 +10,7 @@ from mesp.models.linear import Linear
 from mesp.models.transformer import MLP, Block, RMSNorm, SeqContext, Tape
 from mesp.ops.attention import attention_bwd, fwd_matches_attention
 from mesp.ops.lora_linear import lora_linear_backward
-from mesp.ops.matmul import linear, matmul
+from mesp.ops.matmul import linear
 from mesp.ops.mlp import gated_act, gated_act_backward
 from mesp.ops.norm import rms_norm_backward
 from mesp.ops.rope import apply_rope_backward
@@ -33,7 +33,7 @@ def _lin_bwd(
 ) -> Tensor | None:
     """dx of one linear (LoRA or plain frozen); adapter gradients accumulate in place."""
     if mod.lora_A is None or mod.lora_B is None:
-        return matmul(dy, mod.dense(dy.dtype)) if need_dx else None
+        return mod.matmul(dy) if need_dx else None
     gA, gB = _grad(mod.lora_A), _grad(mod.lora_B)
     return lora_linear_backward(
         dy, x, mod, mod.lora_A, mod.lora_B, mod.lora_scale, gA, gB, need_dx, h

@@ -7,7 +7,9 @@ run in fp32), c = min(512, T) CE rows per chunk, V' = V, or 8192 when the head i
 W(o, i; x) is dequantizing an o×i weight and then allocating x bytes: o·i·e + max(u, x), u the
 4-bit unpack's scratch, two int16 planes of the row block being unpacked, 2·i·min(o, ⌊4 MiB /
 (i·e)⌋) bytes (freed before x exists; 0 where mesp.ops.native dequantizes in one sweep); a
-dense base is used in place: x.
+dense base is used in place: x. A block projection in fp32 on the native kernel never holds its
+whole weight (mesp.ops.matmul.linear_blocks): W is x + one fp32 block of about 1 MiB, rows of
+W when o ≥ i, else whole groups of its columns.
 
 State, live for the whole step:
   weights      `mesp.loading.info.weight_bytes` (packed when quantized)
@@ -66,6 +68,7 @@ from mesp.loading.info import weight_bytes
 from mesp.models import FAMILIES
 from mesp.models.transformer import LORA_TARGETS
 from mesp.ops import native
+from mesp.ops.matmul import WEIGHT_BLOCK_BYTES
 from mesp.quant import DEQUANT_BLOCK, QuantSpec
 
 ENGINES = ("bp", "mebp", "mesp", "mezo")
@@ -96,6 +99,7 @@ class Sizes:
     tables: int  # RoPE cos/sin tables and the sliding-window mask, bytes
     window_mask: int  # the additive (S, S) mask a windowed flash-attention call builds, bytes
     torch_unpack: bool = True  # the pure-torch dequantizer (not mesp.ops.native's one sweep)
+    blocked: bool = False  # projections dequantized block by block (fp32 on the native kernel)
 
     @property
     def T(self) -> int:
@@ -112,6 +116,20 @@ class Sizes:
         block_rows = min(out, max(1, DEQUANT_BLOCK // (inp * self.e)))
         scratch = 2 * block_rows * inp if q.bits == 4 and self.torch_unpack else 0
         return out * inp * self.e + max(scratch, then)
+
+    def proj(self, out: int, inp: int, then: int = 0) -> int:
+        """As `deq`, for a block projection's matmul (FrozenWeight.linear / .matmul): where it
+        runs blocked (fp32, native kernel: mesp.ops.matmul.linear_blocks) only one fp32 block
+        of the weight exists beside `then`, never the whole weight."""
+        q = self.quant
+        if not self.blocked or q is None or inp % q.group_size:
+            return self.deq(out, inp, then)
+        step = WEIGHT_BLOCK_BYTES // 4
+        if out >= inp:  # rows of W
+            block = min(out, max(1, step // inp)) * inp
+        else:  # whole groups of W's columns
+            block = out * min(inp, max(q.group_size, step // out // q.group_size * q.group_size))
+        return then + 4 * block
 
     def lin_in_out(self) -> dict[str, tuple[int, int]]:
         D, F, Q, K = self.D, self.F, self.Q, self.K
@@ -150,6 +168,7 @@ def sizes(
         raise MespError(f"unknown LoRA target(s) {bad}; choose from {list(LORA_TARGETS)}")
     return Sizes(
         torch_unpack=dtype not in (torch.float32, torch.bfloat16) or native.library() is None,
+        blocked=dtype == torch.float32 and native.library() is not None,
         B=batch,
         S=seq_len,
         D=cfg.hidden_size,
@@ -196,7 +215,7 @@ def _linear_peak(s: Sizes, name: str) -> int:
     inp, out = s.lin_in_out()[name]
     lora = name in s.targets
     y = s.T * out * s.e
-    return max(s.deq(out, inp, then=y), (3 if lora else 2) * y)
+    return max(s.proj(out, inp, then=y), (3 if lora else 2) * y)
 
 
 def _mlp_tile(s: Sizes) -> Sizes | None:
@@ -259,8 +278,8 @@ def mesp_block_backward_peak(s: Sizes) -> int:
     Tm = m.T
     act = base + 9 * Tm * F * s.f
     dd = s.sandwich * T * D * e  # Gemma3: the gradient through the post-MLP norm
-    down = base + dd + 3 * Tm * F * e + s.deq(D, F, then=Tm * F * e)
-    up = base + 2 * Tm * F * e + Tm * D * e + s.deq(F, D, then=Tm * D * e)
+    down = base + dd + 3 * Tm * F * e + s.proj(D, F, then=Tm * F * e)
+    up = base + 2 * Tm * F * e + Tm * D * e + s.proj(F, D, then=Tm * D * e)
     if tiled:
         up = max(up, base + Tm * F * e + _linear_peak(m, "up_proj"))
     # attention backward: da, do, dq, dk, dv (and the window mask) beside the tape
@@ -290,7 +309,7 @@ def autograd_block_backward_extra(s: Sizes) -> int:
     from the adapter and from the (dequantized) base, then their sum; act·up is freed first."""
     T, F, e = s.T, s.F, s.e
     return -("down_proj" in s.targets) * T * F * e + max(
-        T * F * e + s.deq(s.D, F, then=T * F * e), 3 * T * F * e
+        T * F * e + s.proj(s.D, F, then=T * F * e), 3 * T * F * e
     )
 
 

@@ -16,8 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mesp.ops import int4_mm
-from mesp.ops.matmul import linear, matmul
+from mesp.errors import MespError
+from mesp.ops import int4_mm, native
+from mesp.ops.matmul import (
+    BlockFill,
+    computes_in_fp32,
+    linear,
+    linear_blocks,
+    matmul,
+    matmul_blocks,
+)
 from mesp.quant import QuantSpec, dequantize, dequantize_gather, dequantize_rows, quantize
 
 log = logging.getLogger("mesp")
@@ -81,6 +89,52 @@ class FrozenWeight(nn.Module):
             return self.weight if dtype is None else self.weight.to(dtype)
         return dequantize(self.weight, self.scales, self.biases, self.quant, dtype)
 
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (..., in) Wᵀ (+ bias) in x.dtype, as `mesp.ops.matmul.linear` on the dense weight
+        (which also serves autograd: the blocked path writes into its outputs)."""
+        if self._blocked(x) and not (torch.is_grad_enabled() and x.requires_grad):
+            shape, g = (self.out_features, self.in_features), self.quant.group_size
+            return linear_blocks(x, self._fill_fp32(x.dtype), shape, g, bias)
+        return linear(x, self.dense(x.dtype), bias)
+
+    def matmul(self, dy: Tensor) -> Tensor:
+        """dy (..., out) W in dy.dtype, as `mesp.ops.matmul.matmul` on the dense weight."""
+        if self._blocked(dy) and not (torch.is_grad_enabled() and dy.requires_grad):
+            shape, g = (self.out_features, self.in_features), self.quant.group_size
+            return matmul_blocks(dy, self._fill_fp32(dy.dtype), shape, g)
+        return matmul(dy, self.dense(dy.dtype))
+
+    def _blocked(self, t: Tensor) -> bool:
+        """Whether a matmul with t dequantizes this base block by block (ops.matmul.linear_rows):
+        a quantized base the native kernel serves, and an fp32 GEMM (fp32, or bf16 where the
+        CPU has no bf16 GEMM, its bf16 values dequantized straight into fp32: the same numbers
+        as dequantizing to bf16 and upcasting, one pass fewer)."""
+        return (
+            self.quant is not None
+            and (t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and computes_in_fp32(t)))
+            and t.device.type in ("cpu", "meta")
+            and not torch.compiler.is_compiling()
+            and native.serves(self.weight, self.scales, self.biases)
+            and native.library() is not None
+        )
+
+    def _fill_fp32(self, dtype: torch.dtype) -> BlockFill:
+        """W[rows, cols] as `dtype` would round it, written into fp32 `out` (cols: whole groups)."""
+        q, bf16 = self.quant, dtype == torch.bfloat16
+        assert q is not None
+        p = native.packed(self.weight, self.scales, self.biases, q.bits, q.group_size)
+        if p is None:
+            raise MespError("the native dequantizer is not available for this weight")
+        g = q.group_size
+
+        def fill(rows: slice, cols: slice, out: Tensor) -> None:
+            r0, r1, _ = rows.indices(p.rows)
+            c0, c1, _ = cols.indices(self.in_features)
+            if not p.into(out, (r0, r1), (c0 // g, c1 // g), bf16):
+                raise MespError(f"the native dequantizer declined a {tuple(out.shape)} block")
+
+        return fill
+
     def rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> Tensor:
         """Rows start:stop, e.g. a vocabulary slice of an embedding used as the LM head."""
         if self.quant is None:
@@ -127,7 +181,7 @@ class _FrozenMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, fw: FrozenWeight) -> Tensor:  # type: ignore[override]
-        return linear(x, fw.dense(x.dtype))
+        return fw.linear(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -135,7 +189,7 @@ class _FrozenMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return matmul(dy, ctx.fw.dense(dy.dtype)), None
+        return ctx.fw.matmul(dy), None
 
 
 def frozen_matmul(x: Tensor, fw: FrozenWeight) -> Tensor:
@@ -145,7 +199,7 @@ def frozen_matmul(x: Tensor, fw: FrozenWeight) -> Tensor:
     p = fw.decode_pack(x)
     if p is not None:
         return int4_mm.int4_linear(x, p)
-    return linear(x, fw.dense(x.dtype))
+    return fw.linear(x)
 
 
 @contextmanager

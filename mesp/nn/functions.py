@@ -20,8 +20,13 @@ from torch import Tensor
 from mesp.errors import MespError
 from mesp.models.linear import FrozenWeight
 from mesp.ops.cross_entropy import chunked_ce_loss, chunked_ce_loss_and_grad
-from mesp.ops.lora_linear import WeightSource, dense_weight, lora_linear_backward
-from mesp.ops.matmul import linear, matmul
+from mesp.ops.lora_linear import (
+    WeightSource,
+    base_linear,
+    base_matmul,
+    lora_linear_backward,
+)
+from mesp.ops.matmul import linear
 from mesp.ops.mlp import ACTIVATIONS, gated_act, gated_act_backward
 
 Maybe = Tensor | None
@@ -48,7 +53,7 @@ class Proj:
 
 def _fwd(x: Tensor, base: WeightSource, bias: Maybe, A: Maybe, B: Maybe, s: float) -> Tensor:
     """x (..., in) -> y (..., out). h = x Aᵀ (..., r) is dropped: backward recomputes it."""
-    y = linear(x, dense_weight(base, x.dtype), None if bias is None else bias.to(x.dtype))
+    y = base_linear(x, base, None if bias is None else bias.to(x.dtype))
     if A is not None and B is not None:
         y.add_(linear(linear(x.to(A.dtype), A), B), alpha=s)
     return y
@@ -71,7 +76,7 @@ def _bwd(
     if need[1] and bias is not None:
         gb = dy.reshape(-1, dy.shape[-1]).sum(0).to(bias.dtype)
     if A is None or B is None:
-        dx = matmul(dy.to(x.dtype), dense_weight(base, x.dtype)) if need[0] else None
+        dx = base_matmul(dy.to(x.dtype), base) if need[0] else None
         return dx, gb, None, None
     gA, gB = torch.zeros_like(A), torch.zeros_like(B)
     dx = lora_linear_backward(dy, x, base, A, B, s, gA, gB, need_dx=need[0])

@@ -28,13 +28,27 @@ def dense_weight(base: WeightSource, dtype: torch.dtype) -> Tensor:
     return base(dtype).to(dtype)
 
 
+def base_linear(x: Tensor, base: WeightSource, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) Wᵀ (+ bias), in x.dtype: a FrozenWeight's own (blocked) matmul."""
+    if isinstance(base, FrozenWeight):
+        return base.linear(x, bias)
+    return linear(x, dense_weight(base, x.dtype), bias)
+
+
+def base_matmul(dy: Tensor, base: WeightSource) -> Tensor:
+    """dy (..., out) W, in dy.dtype: a FrozenWeight's own (blocked) matmul."""
+    if isinstance(base, FrozenWeight):
+        return base.matmul(dy)
+    return matmul(dy, dense_weight(base, dy.dtype))
+
+
 def lora_linear_with_h(
     x: Tensor, base: WeightSource, bias: Tensor | None, A: Tensor, B: Tensor, s: float
 ) -> tuple[Tensor, Tensor]:
     """x (..., in), A (r, in), B (out, r), bias (out,) | None -> y (..., out), h (..., r).
     Everything in x.dtype, as `Linear.forward` computes it."""
     h = linear(x, A.to(x.dtype))
-    y = linear(x, dense_weight(base, x.dtype), None if bias is None else bias.to(x.dtype))
+    y = base_linear(x, base, None if bias is None else bias.to(x.dtype))
     return y.add_(linear(h, B.to(x.dtype)), alpha=s), h
 
 
@@ -76,6 +90,6 @@ def lora_linear_backward(
     if not need_dx:
         return None
     cd = x.dtype
-    dx = matmul(dy2.to(cd), dense_weight(base, cd))  # (N, out)(out, in); W dropped after
+    dx = base_matmul(dy2.to(cd), base)  # (N, out)(out, in); W dropped after
     addmm_(dx, gh.to(cd), A.to(cd))  # (N, r)(r, in)
     return dx.view(x.shape)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,3 +150,98 @@ class _Fp32Linear(torch.autograd.Function):
         if ctx.has_bias and need[2]:
             db = dy2.float().sum(0).to(dy.dtype)
         return dx, dw, db
+
+
+# A frozen (out, in) weight handed over in blocks: fill(rows, cols, buf) writes W[rows, cols], as
+# fp32, into the contiguous buf. A quantized base dequantizes each block straight into fp32 this
+# way, and each block is multiplied while it is still in cache: the whole dequantized weight
+# never exists, so it is neither written to memory nor read back (and for bf16 there is no
+# low-precision copy to upcast). Blocks cut W along its longer side, so every GEMM keeps the
+# shorter side whole (a thin block would starve the GEMM).
+BlockFill = Callable[[slice, slice, Tensor], object]
+WEIGHT_BLOCK_BYTES = 1 << 20  # fp32 bytes of one weight block: a slice of cache, not of DRAM
+
+
+def _spans(n: int, width: int, align: int) -> list[slice]:
+    """Cuts of 0:n into spans of about WEIGHT_BLOCK_BYTES at `width` fp32 elements each,
+    multiples of align."""
+    step = max(align, WEIGHT_BLOCK_BYTES // (4 * width) // align * align)
+    return [slice(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _to(out: Tensor, r: Tensor) -> None:
+    if out.data_ptr() != r.data_ptr():
+        out.copy_(r)  # rounded once to out's dtype
+
+
+def linear_blocks(
+    x: Tensor, fill: BlockFill, shape: tuple[int, int], align: int, bias: Tensor | None = None
+) -> Tensor:
+    """F.linear(x, W, bias) for W (out, in) = shape given in blocks; x (..., in) fp32, or a low
+    dtype on the fp32 GEMM (one rounding at the end)."""
+    out_f, in_f = shape
+    x32 = x.reshape(-1, in_f).float()
+    y = torch.empty(x32.shape[0], out_f, dtype=x.dtype, device=x.device)
+    fp32 = x.dtype == torch.float32
+    b32 = None if bias is None else bias.float()
+    every, rows_cut = slice(0, None), out_f >= in_f
+    spans = _spans(out_f, in_f, 1) if rows_cut else _spans(in_f, out_f, align)
+    buf = torch.empty(spans[0].stop * (in_f if rows_cut else out_f), device=x.device)
+    acc = y if fp32 or rows_cut else torch.empty(y.shape, device=x.device)
+    for n, sp in enumerate(spans):
+        w = buf[: (sp.stop - sp.start) * (in_f if rows_cut else out_f)]
+        if rows_cut:  # output columns sp, whole reduction
+            w = w.view(sp.stop - sp.start, in_f)
+            fill(sp, every, w)
+            r = y[:, sp] if fp32 else torch.empty(y.shape[0], sp.stop - sp.start, device=x.device)
+            if b32 is None:
+                torch.mm(x32, w.t(), out=r)
+            else:
+                torch.addmm(b32[sp], x32, w.t(), out=r)
+            _to(y[:, sp], r)
+        else:  # reduction span sp, summed into every output column
+            w = w.view(out_f, sp.stop - sp.start)
+            fill(every, sp, w)
+            if n == 0:
+                if b32 is None:
+                    torch.mm(x32[:, sp], w.t(), out=acc)
+                else:
+                    torch.addmm(b32, x32[:, sp], w.t(), out=acc)
+            else:
+                acc.addmm_(x32[:, sp], w.t())
+    _to(y, acc)
+    return y.view(*x.shape[:-1], out_f)
+
+
+def matmul_blocks(dy: Tensor, fill: BlockFill, shape: tuple[int, int], align: int) -> Tensor:
+    """dy (..., out) @ W for W (out, in) = shape given in blocks; dy fp32, or a low dtype on
+    the fp32 GEMM (one rounding at the end)."""
+    out_f, in_f = shape
+    dy32 = dy.reshape(-1, out_f).float()
+    dx = torch.empty(dy32.shape[0], in_f, dtype=dy.dtype, device=dy.device)
+    fp32 = dy.dtype == torch.float32
+    every, rows_cut = slice(0, None), out_f >= in_f
+    spans = _spans(out_f, in_f, 1) if rows_cut else _spans(in_f, out_f, align)
+    buf = torch.empty(spans[0].stop * (in_f if rows_cut else out_f), device=dy.device)
+    acc = dx if fp32 or not rows_cut else torch.empty(dx.shape, device=dy.device)
+    for n, sp in enumerate(spans):
+        w = buf[: (sp.stop - sp.start) * (in_f if rows_cut else out_f)]
+        if rows_cut:  # reduction span sp (rows of W), summed into every dx column
+            w = w.view(sp.stop - sp.start, in_f)
+            fill(sp, every, w)
+            if n == 0:
+                torch.mm(dy32[:, sp], w, out=acc)
+            else:
+                acc.addmm_(dy32[:, sp], w)
+        else:  # dx columns sp, whole reduction
+            w = w.view(out_f, sp.stop - sp.start)
+            fill(every, sp, w)
+            r = (
+                dx[:, sp]
+                if fp32
+                else torch.empty(dx.shape[0], sp.stop - sp.start, device=dy.device)
+            )
+            torch.mm(dy32, w, out=r)
+            _to(dx[:, sp], r)
+    _to(dx, acc)
+    return dx.view(*dy.shape[:-1], in_f)
