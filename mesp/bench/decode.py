@@ -3,7 +3,8 @@
 Two tables, both measured in this process, the kernels side by side (medians of `--steps`
 runs after `--warmup`):
 - layer: one Qwen2.5-0.5B layer's seven projections (q, k, v, o, gate, up, down) at a few row
-  counts, summed: dense fp32 matmul (the reference), dequantize + matmul (the training path),
+  counts, summed: dense fp32 matmul (the reference), dequantize + matmul (the training path,
+  `FrozenWeight.linear`: blocks dequantized natively where the kernel is built),
   and the int4 kernel on its packed copy (mesp/ops/int4_mm.py). Target: 1 row ≤ 0.5x dense.
 - generate: `mesp generate`'s loop (mesp.inference.generate) on a real 4-bit model, greedy,
   `--decode-tokens` new tokens after a short prompt, tokens/s with `int4` on and off, each
@@ -20,9 +21,10 @@ import torch
 
 from mesp.bench.dequant import median_ms
 from mesp.bench.output import write_row
+from mesp.models.linear import FrozenWeight
 from mesp.ops import int4_mm
 from mesp.ops.matmul import linear
-from mesp.quant import QuantSpec, dequantize, quantize
+from mesp.quant import QuantSpec, dequantize
 
 # (out, in) of one Qwen2.5-0.5B layer: q, k, v, o, gate, up, down.
 LAYER = ((896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864))
@@ -36,11 +38,13 @@ def measure_layer(rows: int, steps: int, warmup: int, group: int = 64) -> dict[s
     spec, g = QuantSpec(4, group), torch.Generator().manual_seed(0)
     dense = deq = int4 = 0.0
     for o, i in LAYER:
-        wq, s, b = quantize(torch.randn(o, i, generator=g) * 0.02, spec)
+        fw = FrozenWeight(o, i, torch.float32)  # the product's quantized linear (no int4 copy)
+        fw.set_dense(torch.randn(o, i, generator=g) * 0.02, spec)
+        wq, s, b = fw.weight, fw.scales, fw.biases
         w, x = dequantize(wq, s, b, spec), torch.randn(rows, i, generator=g)
         p = int4_mm.pack(wq, s, b, spec)
         dense += median_ms(lambda: linear(x, w), steps, warmup)  # noqa: B023
-        deq += median_ms(lambda: linear(x, dequantize(wq, s, b, spec)), steps, warmup)  # noqa: B023
+        deq += median_ms(lambda: fw.linear(x), steps, warmup)  # noqa: B023
         int4 += median_ms(lambda: int4_mm.int4_linear(x, p), steps, warmup)  # noqa: B023
     return {"table": "decode", "part": "layer", "status": "ok", "rows": rows, "group": group,
             "threads": torch.get_num_threads(), "dense_ms": dense, "dequant_ms": deq,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mesp.bench import layer_step
 from mesp.bench.output import write_row
 from mesp.ops.matmul import linear
 from mesp.quant import QuantSpec, dequantize, quantize
@@ -78,10 +79,15 @@ def run_dequant(
                 row = {**measure(c, steps, warmup), "command": command}
                 path = out / "rows" / "dequant" / f"{dtype}_{o}x{i}_t{tokens}.json"
                 rows.append(write_row(path, row, indent=1))
+    for dtype in ("float32", "bfloat16"):  # the layer-step: forward and backward, per layer
+        row = {**layer_step.measure_layer_step(dtype, 256, steps, warmup), "command": command}
+        rows.append(write_row(out / "rows" / "dequant" / f"layer_{dtype}_t256.json", row, indent=1))
     return rows
 
 
 def line(r: dict[str, Any]) -> str:
+    if r.get("part") == "layer":
+        return layer_step.line(r)
     c = r["config"]
     return (
         f"{c['dtype']:>8} {c['out_features']:>5}x{c['in_features']:<5} tokens {c['tokens']:>4}: "
@@ -91,9 +97,10 @@ def line(r: dict[str, Any]) -> str:
 
 
 def section(rows: list[dict[str, Any]]) -> list[str]:
-    ok = [r for r in rows if r.get("table") == "dequant" and r.get("status") == "ok"]
+    every = [r for r in rows if r.get("table") == "dequant" and r.get("status") == "ok"]
+    ok = [r for r in every if r.get("part") != "layer"]
     if not ok:
-        return []
+        return layer_step.section(every)
     c0 = ok[0]["config"]
     lines = [
         "## Dequantization against the matmul it feeds",
@@ -123,7 +130,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         "rebuilding the dense weight: per-token generation would want a fused low-bit matmul; "
         "training rows of a few hundred tokens amortize the dequantization."
     )
-    return [*lines, "", *notes, ""]
+    return [*lines, "", *notes, "", *layer_step.section(every)]
 
 
 __all__ = ["DequantConfig", "line", "measure", "median_ms", "run_dequant", "section"]
