@@ -159,6 +159,19 @@ def test_cli_decode_kernels_agree(tmp_path: Path, capsys) -> None:  # type: igno
     assert out["int4"] and out["int4"] == out["dequantize"]
 
 
+def test_cli_int4_kernel_refuses_a_model_without_4bit_weights(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    d = make_model_dir(tmp_path / "t", "qwen2", hidden_size=96, head_dim=32, intermediate_size=160)
+    args = ["generate", "--model", str(d), "--prompt", "ab c", "--max-tokens", "2"]
+    capsys.readouterr()  # the model writer's progress bars
+    for quant in ("none", "8"):
+        assert (
+            main([*args, "--quantize", quant, "--group-size", "32", "--decode-kernel", "int4"]) != 0
+        )
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--decode-kernel int4 needs 4-bit weights" in err[0]
+    assert main([*args, "--quantize", "none", "--decode-kernel", "auto"]) == 0  # auto serves it
+
+
 def test_bench_decode_rows_and_report(tmp_path: Path) -> None:
     """`mesp bench decode` end to end on a tiny 4-bit model: rows written, table rendered (the
     numbers are whatever this machine gives; no threshold is tested)."""

@@ -9,8 +9,9 @@ import torch
 
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_with_adapter
-from mesp.models.linear import int4_decoding
+from mesp.models.linear import FrozenWeight, int4_decoding
 from mesp.models.transformer import CausalLM, KVCache
+from mesp.ops import int4_mm
 
 
 @dataclass
@@ -38,7 +39,8 @@ class GenerateOptions:
         metadata={
             "help": "4-bit weights at one token a step: int4 = torch's int4 CPU kernel on a "
             "packed copy (bf16 activations), dequantize = the training path's dequantize + "
-            "matmul, auto = int4 where the weight is 4-bit on the CPU",
+            "matmul, auto = int4 where the weight is 4-bit on the CPU (int4: refuse a model "
+            "without such weights)",
             "choices": ("auto", "int4", "dequantize"),
         },
     )
@@ -57,6 +59,11 @@ def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
     if g.max_tokens < 1:
         raise MespError(f"--max-tokens must be at least 1, got {g.max_tokens}")
     loaded = open_with_adapter(opts, g.adapter)
+    if g.decode_kernel == "int4" and not _has_int4_weights(loaded.model):
+        raise MespError(
+            "--decode-kernel int4 needs 4-bit weights on the CPU, and this model has none "
+            "(load it with --quantize 4, or use --decode-kernel auto)"
+        )
     tok = loaded.require_tokenizer()
     text = g.prompt
     if g.chat:
@@ -86,6 +93,14 @@ def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
         int4=g.decode_kernel != "dequantize",
     )
     return tok.decode(out)
+
+
+def _has_int4_weights(model: torch.nn.Module) -> bool:
+    """Whether any base weight is one the int4 kernel can serve."""
+    return any(
+        isinstance(m, FrozenWeight) and m.quant is not None and int4_mm.supported(m.weight, m.quant)
+        for m in model.modules()
+    )
 
 
 @torch.no_grad()
