@@ -143,6 +143,12 @@ class _Header:
         return self.scalar(vtype)
 
 
+def _shown(name: str) -> str:
+    """A tensor name as an error message shows it: quoted, escaped, at most 64 characters (a
+    corrupt file's name may hold newlines or megabytes, and errors stay one line)."""
+    return repr(name if len(name) <= 64 else name[:64] + "...")
+
+
 def _parse(
     buf: mmap.mmap, where: str, kinds: dict[str, tuple[int, int | None]] | None = None
 ) -> tuple[dict[str, Any], dict[str, _Info]]:
@@ -170,7 +176,7 @@ def _parse(
     for _ in range(n_tensors):
         name, ndim = h.string(), h.scalar(4)
         if ndim > 4:
-            raise MespError(f"{where}: corrupt GGUF file (tensor '{name}' has {ndim} dims)")
+            raise MespError(f"{where}: corrupt GGUF file (tensor {_shown(name)} has {ndim} dims)")
         dims = [h.scalar(10) for _ in range(ndim)]
         raw.append((name, dims, h.scalar(4), h.scalar(10)))
     align = meta.get("general.alignment", 32)
@@ -183,21 +189,21 @@ def _parse(
             qtype = QT(type_id)
         except ValueError:
             raise MespError(
-                f"{where}: tensor '{name}' has unknown ggml type id {type_id}"
+                f"{where}: tensor {_shown(name)} has unknown ggml type id {type_id}"
             ) from None
         if qtype not in SUPPORTED_TYPES:
             raise MespError(
-                f"{where}: tensor '{name}' has unsupported quant type {qtype.name} "
+                f"{where}: tensor {_shown(name)} has unsupported quant type {qtype.name} "
                 f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
             )
         block, type_size = GGML_QUANT_SIZES[qtype]
         if not dims or dims[0] % block:
-            raise MespError(f"{where}: corrupt GGUF file (tensor '{name}' dims {dims})")
+            raise MespError(f"{where}: corrupt GGUF file (tensor {_shown(name)} dims {dims})")
         nbytes = math.prod(dims) // block * type_size
         start = data_start + offset
         if start + nbytes > len(buf):
             raise MespError(
-                f"{where}: truncated GGUF file (tensor '{name}' ends at byte "
+                f"{where}: truncated GGUF file (tensor {_shown(name)} ends at byte "
                 f"{start + nbytes}, file has {len(buf)})"
             )
         infos[name] = _Info(qtype, tuple(reversed(dims)), start, nbytes)
@@ -327,7 +333,9 @@ def _undo_converter(name: str, w: np.ndarray, arch: str, cfg: dict, where: str) 
         # LlamaModel.permute interleaves each head's rotary halves for ggml's GPT-J-style rope.
         n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
         if w.shape[0] % (2 * n):
-            raise MespError(f"{where}: tensor '{name}' has {w.shape[0]} rows, not {n} rope heads")
+            raise MespError(
+                f"{where}: tensor {_shown(name)} has {w.shape[0]} rows, not {n} rope heads"
+            )
         w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     if arch == "gemma3" and name.endswith("norm.weight"):
         w = w - np.float32(1.0)  # Gemma3Model stores HF's (1 + w) RMSNorm scale; q/k norms too
@@ -384,7 +392,9 @@ class GGUFFile:
             elif blk == "blk" and layer.isdigit() and int(layer) < n_layers and leaf in layer_map:
                 self._by_hf[f"model.layers.{layer}.{layer_map[leaf]}"] = name
             elif name != "rope_freqs.weight" or arch != "llama":
-                raise MespError(f"{where}: unexpected tensor '{name}' for architecture {arch}")
+                raise MespError(
+                    f"{where}: unexpected tensor {_shown(name)} for architecture {arch}"
+                )
         self._infos, self._arch, self.config = infos, arch, cfg
         if "rope_freqs.weight" in infos:  # Llama 3 rope scaling, folded into the config
             freqs = self._values("rope_freqs.weight").astype(np.float64)
