@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from mesp.bench import ladder as bench_ladder
 from mesp.bench.cells import LABELS, Key, MiB, Row, index, mem, ok, secs
 from mesp.bench.output import pyplot
 
 PAPER_SEQ = {128: (252.7, 110.7), 256: (360.8, 136.2), 512: (582.4, 245.8), 1024: (1050.3, 513.6)}
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write and close a finished figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def variants(idx: dict[Key, Row]) -> list[str]:
@@ -57,10 +66,7 @@ def plot_memory_vs_seq(rows: list[Row], path: Path, dtype: str) -> Path | None:
     ax.minorticks_off()
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_timeline(rows: list[Row], path: Path, dtype: str) -> Path | None:
@@ -95,10 +101,7 @@ def plot_timeline(rows: list[Row], path: Path, dtype: str) -> Path | None:
         ax.set_ylabel("live MiB above weights + adapter params", fontsize=8)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_time(rows: list[Row], path: Path, dtype: str) -> Path | None:
@@ -119,10 +122,7 @@ def plot_time(rows: list[Row], path: Path, dtype: str) -> Path | None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes)
     ax.set(ylabel="seconds per step (median)", title=f"Time per step, {dtype}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def make_plots(rows: list[Row], out: Path, dtypes: list[str]) -> list[Path]:
