@@ -86,6 +86,25 @@ def test_bench_dequant_rows_and_report(tmp_path: Path) -> None:
     assert "mesp bench dequant" in text and "| bfloat16 | 64x128 | 4 |" in text
 
 
+def test_bench_dequant_layer_step_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer-step rows: every base timed through frozen_matmul forward and backward, the
+    ratio against dense fp32, and the report's table and target line (no threshold tested)."""
+    from mesp.bench import dequant as bench_dequant
+    from mesp.bench import layer_step
+
+    monkeypatch.setattr(layer_step, "LAYER", ((96, 64), (64, 128)))  # one row-cut, one column-cut
+    rows = [
+        layer_step.measure_layer_step(d, 256, steps=2, warmup=1) for d in ("float32", "bfloat16")
+    ]
+    for r in rows:
+        assert r["part"] == "layer" and min(r["quant_ms"], r["dense_ms"], r["dense_fp32_ms"]) > 0
+        assert r["ratio"] == r["quant_ms"] / r["dense_fp32_ms"]
+    assert rows[0]["dense_ms"] == rows[0]["dense_fp32_ms"]  # fp32: one dense base
+    text = "\n".join(bench_dequant.section(rows))
+    assert "### Layer-step" in text and "| float32 | 256 |" in text and "| bfloat16 | 256 |" in text
+    assert "Target fp32 4-bit layer-step at 256 tokens" in text
+
+
 def test_bench_dropin_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`mesp bench dropin --quick` on the tiny Qwen2 shape: one row per configuration under
     rows/dropin with its command, the patch really applied, the report section, and the meta
