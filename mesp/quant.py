@@ -116,7 +116,7 @@ def _unpack_into(wq: Tensor, bits: int, out: Tensor) -> Tensor:
     b = wq.contiguous().view(torch.uint8)  # memory order = value order on little-endian hosts
     if bits == 8:
         return out.copy_(b)
-    if _tracing():  # exported programs keep the uint8 ops they had (what lowering knows)
+    if tracing():  # exported programs keep the uint8 ops they had (what lowering knows)
         pairs = out.view(b.shape[0], b.shape[1], 2)
         pairs[..., 0].copy_(b & 15)
         pairs[..., 1].copy_(b >> 4)
@@ -172,13 +172,13 @@ def _dequantize_into(
     """Row blocks of about DEQUANT_BLOCK output bytes: unpack straight into out, then one
     in-place multiply and one add per block, broadcasting each group's scale and bias.
     Multiply, round, add, round: the same two roundings as MLX (addcmul would fuse them)."""
-    if not _tracing() and native.dequantize_into(
+    if not tracing() and native.dequantize_into(
         wq, scales, biases, spec.bits, spec.group_size, out
     ):  # one sweep, the same bits (mesp/ops/dequant.c)
         return out
     rows, in_f = out.shape
     s, b = scales.to(out.dtype).unsqueeze(-1), biases.to(out.dtype).unsqueeze(-1)
-    if _tracing():  # an exported graph: one block, and no loop over a (maybe dynamic) row count
+    if tracing():  # an exported graph: one block, and no loop over a (maybe dynamic) row count
         _unpack_into(wq, spec.bits, out)
         out.view(rows, -1, spec.group_size).mul_(s).add_(b)
         return out
@@ -191,7 +191,7 @@ def _dequantize_into(
     return out
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """Under torch.compile / torch.export (the on-device programs)."""
     checks = (getattr(torch.compiler, f, None) for f in ("is_compiling", "is_exporting"))
     return any(f is not None and f() for f in checks)

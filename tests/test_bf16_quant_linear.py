@@ -89,3 +89,21 @@ def test_not_taken_elsewhere(monkeypatch):
     dense.set_dense(torch.randn(64, 128).bfloat16())
     monkeypatch.setenv(matmul_ops.ENV, "fp32")
     assert not dense._blocked(torch.empty(1, dtype=torch.bfloat16))
+
+
+def test_export_traces_the_torch_ops_not_the_kernel():
+    """torch.export of a quantized linear: the blocked native path is for eager runs; traced
+    programs keep quant's torch ops (what ExecuTorch lowers), and compute the same numbers."""
+    fw, g = _weight(96, 128)
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fw = fw
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return frozen_matmul(x, self.fw)
+
+    x = torch.randn(4, 128, generator=g)
+    ep = torch.export.export(M(), (x,))
+    assert torch.allclose(ep.module()(x), frozen_matmul(x, fw), rtol=1e-5, atol=1e-6)

@@ -26,7 +26,14 @@ from mesp.ops.matmul import (
     matmul,
     matmul_blocks,
 )
-from mesp.quant import QuantSpec, dequantize, dequantize_gather, dequantize_rows, quantize
+from mesp.quant import (
+    QuantSpec,
+    dequantize,
+    dequantize_gather,
+    dequantize_rows,
+    quantize,
+    tracing,
+)
 
 log = logging.getLogger("mesp")
 
@@ -113,7 +120,7 @@ class FrozenWeight(nn.Module):
             self.quant is not None
             and (t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and computes_in_fp32(t)))
             and t.device.type in ("cpu", "meta")
-            and not torch.compiler.is_compiling()
+            and not tracing()  # exported programs keep quant's traceable ops
             and native.serves(self.weight, self.scales, self.biases)
             and native.library() is not None
         )
