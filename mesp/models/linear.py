@@ -112,7 +112,7 @@ class FrozenWeight(nn.Module):
         return matmul(dy, self.dense(dy.dtype))
 
     def _blocked(self, t: Tensor) -> bool:
-        """Whether a matmul with t dequantizes this base block by block (ops.matmul.linear_rows):
+        """Whether a matmul with t dequantizes this base block by block (ops.matmul.linear_blocks):
         a quantized base the native kernel serves, and an fp32 GEMM (fp32, or bf16 where the
         CPU has no bf16 GEMM, its bf16 values dequantized straight into fp32: the same numbers
         as dequantizing to bf16 and upcasting, one pass fewer)."""
