@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -162,16 +162,31 @@ BlockFill = Callable[[slice, slice, Tensor], object]
 WEIGHT_BLOCK_BYTES = 1 << 20  # fp32 bytes of one weight block: a slice of cache, not of DRAM
 
 
-def _spans(n: int, width: int, align: int) -> list[slice]:
-    """Cuts of 0:n into spans of about WEIGHT_BLOCK_BYTES at `width` fp32 elements each,
-    multiples of align."""
-    step = max(align, WEIGHT_BLOCK_BYTES // (4 * width) // align * align)
-    return [slice(a, min(n, a + step)) for a in range(0, n, step)]
+def _rows_cut(shape: tuple[int, int]) -> bool:
+    """Whether W (out, in) is cut into rows (its longer side), else into column groups."""
+    return shape[0] >= shape[1]
 
 
-def _to(out: Tensor, r: Tensor) -> None:
-    if out.data_ptr() != r.data_ptr():
-        out.copy_(r)  # rounded once to out's dtype
+def _blocks(
+    fill: BlockFill, shape: tuple[int, int], align: int, device: torch.device
+) -> Iterator[tuple[bool, slice, Tensor]]:
+    """W (out, in) = shape as filled fp32 blocks, one reused buffer: (rows_cut, span, block),
+    the block W[span, :] when W is cut into rows (out ≥ in), else W[:, span] (whole groups)."""
+    out_f, in_f = shape
+    rows_cut = _rows_cut(shape)
+    n, width, step_align = (out_f, in_f, 1) if rows_cut else (in_f, out_f, align)
+    step = max(step_align, WEIGHT_BLOCK_BYTES // (4 * width) // step_align * step_align)
+    buf = torch.empty(min(step, n) * width, device=device)
+    every = slice(0, None)
+    for a in range(0, n, step):
+        sp = slice(a, min(n, a + step))
+        k = sp.stop - sp.start
+        w = buf[: k * width].view((k, in_f) if rows_cut else (out_f, k))
+        if rows_cut:
+            fill(sp, every, w)
+        else:
+            fill(every, sp, w)
+        yield rows_cut, sp, w
 
 
 def linear_blocks(
@@ -184,32 +199,26 @@ def linear_blocks(
     y = torch.empty(x32.shape[0], out_f, dtype=x.dtype, device=x.device)
     fp32 = x.dtype == torch.float32
     b32 = None if bias is None else bias.float()
-    every, rows_cut = slice(0, None), out_f >= in_f
-    spans = _spans(out_f, in_f, 1) if rows_cut else _spans(in_f, out_f, align)
-    buf = torch.empty(spans[0].stop * (in_f if rows_cut else out_f), device=x.device)
-    acc = y if fp32 or rows_cut else torch.empty(y.shape, device=x.device)
-    for n, sp in enumerate(spans):
-        w = buf[: (sp.stop - sp.start) * (in_f if rows_cut else out_f)]
-        if rows_cut:  # output columns sp, whole reduction
-            w = w.view(sp.stop - sp.start, in_f)
-            fill(sp, every, w)
-            r = y[:, sp] if fp32 else torch.empty(y.shape[0], sp.stop - sp.start, device=x.device)
+    # the fp32 sum over reduction blocks, rounded at the end (y itself in fp32)
+    acc = y if fp32 or _rows_cut(shape) else torch.empty(y.shape, device=x.device)
+    for rows_cut, sp, w in _blocks(fill, shape, align, x.device):
+        if rows_cut:  # output columns sp, whole reduction: each block rounded as it lands
+            r = y[:, sp] if fp32 else torch.empty(y.shape[0], w.shape[0], device=x.device)
             if b32 is None:
                 torch.mm(x32, w.t(), out=r)
             else:
                 torch.addmm(b32[sp], x32, w.t(), out=r)
-            _to(y[:, sp], r)
-        else:  # reduction span sp, summed into every output column
-            w = w.view(out_f, sp.stop - sp.start)
-            fill(every, sp, w)
-            if n == 0:
-                if b32 is None:
-                    torch.mm(x32[:, sp], w.t(), out=acc)
-                else:
-                    torch.addmm(b32, x32[:, sp], w.t(), out=acc)
+            if not fp32:
+                y[:, sp] = r
+        elif sp.start == 0:  # reduction span sp, summed into every output column
+            if b32 is None:
+                torch.mm(x32[:, sp], w.t(), out=acc)
             else:
-                acc.addmm_(x32[:, sp], w.t())
-    _to(y, acc)
+                torch.addmm(b32, x32[:, sp], w.t(), out=acc)
+        else:
+            acc.addmm_(x32[:, sp], w.t())
+    if acc is not y:
+        y.copy_(acc)
     return y.view(*x.shape[:-1], out_f)
 
 
@@ -220,28 +229,18 @@ def matmul_blocks(dy: Tensor, fill: BlockFill, shape: tuple[int, int], align: in
     dy32 = dy.reshape(-1, out_f).float()
     dx = torch.empty(dy32.shape[0], in_f, dtype=dy.dtype, device=dy.device)
     fp32 = dy.dtype == torch.float32
-    every, rows_cut = slice(0, None), out_f >= in_f
-    spans = _spans(out_f, in_f, 1) if rows_cut else _spans(in_f, out_f, align)
-    buf = torch.empty(spans[0].stop * (in_f if rows_cut else out_f), device=dy.device)
-    acc = dx if fp32 or not rows_cut else torch.empty(dx.shape, device=dy.device)
-    for n, sp in enumerate(spans):
-        w = buf[: (sp.stop - sp.start) * (in_f if rows_cut else out_f)]
-        if rows_cut:  # reduction span sp (rows of W), summed into every dx column
-            w = w.view(sp.stop - sp.start, in_f)
-            fill(sp, every, w)
-            if n == 0:
-                torch.mm(dy32[:, sp], w, out=acc)
-            else:
-                acc.addmm_(dy32[:, sp], w)
-        else:  # dx columns sp, whole reduction
-            w = w.view(out_f, sp.stop - sp.start)
-            fill(every, sp, w)
-            r = (
-                dx[:, sp]
-                if fp32
-                else torch.empty(dx.shape[0], sp.stop - sp.start, device=dy.device)
-            )
+    # the fp32 sum over reduction blocks, rounded at the end (dx itself in fp32)
+    acc = dx if fp32 or not _rows_cut(shape) else torch.empty(dx.shape, device=dy.device)
+    for rows_cut, sp, w in _blocks(fill, shape, align, dy.device):
+        if not rows_cut:  # dx columns sp, whole reduction: each block rounded as it lands
+            r = dx[:, sp] if fp32 else torch.empty(dx.shape[0], w.shape[1], device=dy.device)
             torch.mm(dy32, w, out=r)
-            _to(dx[:, sp], r)
-    _to(dx, acc)
+            if not fp32:
+                dx[:, sp] = r
+        elif sp.start == 0:  # reduction span sp (rows of W), summed into every dx column
+            torch.mm(dy32[:, sp], w, out=acc)
+        else:
+            acc.addmm_(dy32[:, sp], w)
+    if acc is not dx:
+        dx.copy_(acc)
     return dx.view(*dy.shape[:-1], in_f)
