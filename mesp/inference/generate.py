@@ -11,7 +11,6 @@ from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_with_adapter
 from mesp.models.linear import FrozenWeight, int4_decoding
 from mesp.models.transformer import CausalLM, KVCache
-from mesp.ops import int4_mm
 
 
 @dataclass
@@ -97,10 +96,7 @@ def generate_text(opts: ModelOptions, g: GenerateOptions) -> str:
 
 def _has_int4_weights(model: torch.nn.Module) -> bool:
     """Whether any base weight is one the int4 kernel can serve."""
-    return any(
-        isinstance(m, FrozenWeight) and m.quant is not None and int4_mm.supported(m.weight, m.quant)
-        for m in model.modules()
-    )
+    return any(isinstance(m, FrozenWeight) and m.int4_capable() for m in model.modules())
 
 
 @torch.no_grad()

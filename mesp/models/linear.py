@@ -156,10 +156,14 @@ class FrozenWeight(nn.Module):
             return F.embedding(ids, self.weight)
         return dequantize_gather(self.weight, self.scales, self.biases, self.quant, ids)
 
+    def int4_capable(self) -> bool:
+        """A 4-bit CPU weight: one the int4 decode kernel can serve."""
+        return self.quant is not None and int4_mm.supported(self.weight, self.quant)
+
     def pack_for_decoding(self) -> bool:
         """Add the int4 kernel's copy of a 4-bit CPU weight (once); True when it has one.
         Inference only: matmuls of short rows without a gradient then use it."""
-        if self.quant is None or not int4_mm.supported(self.weight, self.quant):
+        if not self.int4_capable():
             return False
         if self.int4 is None or self.int4.source != _identity(self.weight, self.scales):
             self.int4 = int4_mm.pack(self.weight, self.scales, self.biases, self.quant)

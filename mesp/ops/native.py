@@ -142,7 +142,7 @@ class Packed:
             or out.shape != (r1 - r0, (g1 - g0) * self.group)
             or out.stride(-1) != 1
             or not (0 <= r0 <= r1 <= self.rows and 0 <= g0 <= g1 <= self.groups)
-            or out.is_meta != self.meta
+            or out.device.type != ("meta" if self.meta else "cpu")
         ):
             return False
         if self.meta or out.numel() == 0:  # no values; like the kernel, no memory beyond out
@@ -169,7 +169,7 @@ def dequantize_into(
     like `bf16_math` (default: like out's dtype). False, writing nothing, where the kernel does
     not serve the tensors or is not built."""
     p = packed(wq, scales, biases, bits, group)
-    if p is None or out.device.type != wq.device.type:
+    if p is None:
         return False
     math16 = out.dtype == torch.bfloat16 if bf16_math is None else bf16_math
     return p.into(out, (0, p.rows), groups or (0, p.groups), math16)
