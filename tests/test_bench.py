@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,13 @@ def test_rows_for_every_engine(quick_run: tuple[Path, Path, list[dict]]) -> None
         assert r["children"]["memory"]["malloc_env"] == FAITHFUL_MALLOC_ENV
         assert r["children"]["time"]["malloc_env"] == {}
         assert r["matmul_floor"]["params"] == 655_360 and r["gemm"]["gflops"] > 0
-        assert r["time"]["floor_ratio"] == r["time"]["median_s"] / r["matmul_floor"]["seconds"]
+        # each timed step against the floor at the GEMM rate probed right before it
+        t, g = r["time"], r["gemm"]
+        assert len(t["floor_ratios"]) == len(t["steps_s"]) == len(g["per_step_gflops"])
+        assert t["floor_ratio"] == statistics.median(t["floor_ratios"])
+        for s, rate, x in zip(t["steps_s"], g["per_step_gflops"], t["floor_ratios"], strict=True):
+            assert x == pytest.approx(s / (r["matmul_floor"]["flops"] / (rate * 1e9)))
+        assert g["gflops"] == statistics.median(g["per_step_gflops"])
     assert len(list((out / "rows" / "table1").glob("*.json"))) == len(by_variant)
 
 

@@ -74,6 +74,15 @@ def floor_s(r: Row | None) -> float | None:
     return f["seconds"] if f else None
 
 
+def floor_ratio(r: Row | None) -> float | None:
+    """Step time / matmul floor: the median over the row's steps of each step against the floor
+    at the rate probed right before it; rows timed before per-step probes: median / floor."""
+    t = r.get("time") if ok(r) else None  # type: ignore[union-attr]
+    if t and "floor_ratios" in t:
+        return t["floor_ratio"]
+    return ratio(secs(r), floor_s(r))
+
+
 def cell_time(r: Row | None) -> str:
     """median s (tokens/s), and the matmul floor beside it where the row has one."""
     if not ok(r):

@@ -9,9 +9,9 @@ the malloc setting that makes RSS faithful makes time unfaithful:
   (engine step + SGD step, with a per-op timeline and what was live at the peak), then the RSS
   rise of `rss_steps` untracked steps.
 - "time", run without it (MALLOC_MMAP_THRESHOLD_ turns every temporary into fresh page
-  faults): a GEMM rate probe at the model's projection shapes (mesp.bench.floor), then after
-  warm-up the median wall time of `steps` untracked steps, and the matmul floor 6·N·T at the
-  probed rate beside it.
+  faults): after warm-up, `steps` untracked steps, each right after a GEMM rate probe at the
+  model's projection shapes (mesp.bench.floor); their median wall time, and the matmul floor
+  6·N·T at the probed rates beside it (each step against its own probe).
 
 Each child reports the malloc variables it ran under (`malloc_env`).
 """
@@ -235,7 +235,7 @@ def measure(c: ChildConfig) -> dict[str, Any]:
     os.environ[matmul_ops.ENV] = c.matmul
     fp32_mm = matmul_ops.computes_in_fp32(torch.empty(0, dtype=dtype, device=c.device))
     baseline = c.engine == "peft" and fp32_mm
-    # the GEMM rate of this process, before the model exists and outside the dispatch mode
+    # the GEMM probe's operands, made before the model exists; it runs before every timed step
     gemm = _gemm_probe(c, dtype) if c.part == "time" else None
     with Fp32Matmul() if baseline else contextlib.nullcontext():
         res = _measure(c, dtype, gemm)
@@ -259,13 +259,13 @@ def _model_config(c: ChildConfig) -> Any:
     return ModelConfig.from_hf(shape_dict(c.shape), source=c.shape)
 
 
-def _gemm_probe(c: ChildConfig, dtype: torch.dtype) -> dict[str, Any]:
-    from mesp.bench.floor import gemm_rate
+def _gemm_probe(c: ChildConfig, dtype: torch.dtype) -> Any:
+    from mesp.bench.floor import GemmProbe
 
-    return gemm_rate(_model_config(c), c.batch * c.seq, dtype)
+    return GemmProbe(_model_config(c), c.batch * c.seq, dtype)
 
 
-def _measure(c: ChildConfig, dtype: torch.dtype, gemm: dict[str, Any] | None) -> dict[str, Any]:
+def _measure(c: ChildConfig, dtype: torch.dtype, gemm: Any) -> dict[str, Any]:
     vocab = shape_dict(c.shape)["vocab_size"]
     g = torch.Generator().manual_seed(c.seed + 1)
     ids = torch.randint(0, vocab, (c.batch, c.seq + 1), generator=g)
@@ -287,7 +287,7 @@ def _measure(c: ChildConfig, dtype: torch.dtype, gemm: dict[str, Any] | None) ->
         "torch": torch.__version__,
     }
     if c.part == "time":
-        res = _time_part(c, step, losses, gemm or {})
+        res = _time_part(c, step, losses, gemm)
     else:
         res = _memory_part(c, step, losses, weights, params, opt)
         floor, floor_note = _floor(c, cfg, quant, dtype)
@@ -336,23 +336,32 @@ def _memory_part(
     }
 
 
-def _time_part(
-    c: ChildConfig, step: Step, losses: list[float], gemm: dict[str, Any]
-) -> dict[str, Any]:
-    """3. The median wall time of `steps` untracked steps, and the matmul floor beside it."""
+def _time_part(c: ChildConfig, step: Step, losses: list[float], probe: Any) -> dict[str, Any]:
+    """3. The median wall time of `steps` untracked steps, each right after a GEMM-rate probe
+    (best of 3 passes), and the matmul floor beside it. The rate of this shared machine drifts
+    by tens of percent from one step to the next, so each step is set against the floor at
+    the rate probed just before it, and the row's floor ratio is the median of those pairs;
+    its floor in seconds is the one at the median probed rate."""
     from mesp.bench.floor import matmul_floor
 
-    times = []
+    cfg, tokens = _model_config(c), c.batch * c.seq
+    times, probes, ratios = [], [], []
     for _ in range(max(1, c.steps)):
         gc.collect()
+        g = probe.rate(passes=3)
         t = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t)
+        probes.append(g)
+        ratios.append(times[-1] / matmul_floor(cfg, tokens, g["gflops"])["seconds"])
     median = statistics.median(times)
-    tokens = c.batch * c.seq
     timing = {"median_s": median, "steps_s": times, "tokens_per_s": tokens / median}
-    floor = matmul_floor(_model_config(c), tokens, gemm["gflops"])
-    timing["floor_ratio"] = median / floor["seconds"]
+    timing["floor_ratio"] = statistics.median(ratios)
+    timing["floor_ratios"] = ratios
+    rates = [g["gflops"] for g in probes]
+    gemm = {**probes[0], "gflops": statistics.median(rates), "per_step_gflops": rates}
+    gemm.pop("passes_s")
+    floor = matmul_floor(cfg, tokens, gemm["gflops"])
     return {"time": timing, "gemm": gemm, "matmul_floor": floor}
 
 

@@ -14,7 +14,9 @@ thirds of the column.
 The probe times the block's projection shapes at T tokens (forward x·Wᵀ and input gradient
 dy·W, into preallocated outputs), best of a few passes, in the dtype the GEMMs really run in:
 fp32 for fp32 rows and for bf16 rows on a CPU without a bf16 GEMM (mesp.ops.matmul computes
-those in fp32), the row's own dtype where the kernel is native.
+those in fp32), the row's own dtype where the kernel is native. The time child probes right
+before every timed step (GemmProbe, operands made once), since on a shared machine the rate
+moves by tens of percent between one step and the next: each step is set against its own probe.
 """
 
 from __future__ import annotations
@@ -54,37 +56,46 @@ def probe_dtype(dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
     return dtype
 
 
-def gemm_rate(cfg: Any, tokens: int, dtype: torch.dtype, passes: int = 5) -> dict[str, Any]:
-    """GFLOP/s of one block's projection GEMMs at `tokens` rows, best of `passes` (one
-    untimed pass first). Each pass: x·Wᵀ and dy·W for all seven projections."""
-    run = probe_dtype(dtype)
-    g = torch.Generator().manual_seed(0)
-    cases = []
-    for o, i in _projections(cfg):
-        w = torch.randn(o, i, generator=g).to(run)
-        x, dy = torch.randn(tokens, i, generator=g).to(run), torch.randn(tokens, o).to(run)
-        cases.append(
-            (w, x, dy, torch.empty(tokens, o, dtype=run), torch.empty(tokens, i, dtype=run))
-        )
-    flops = sum(2 * 2 * tokens * w.numel() for w, *_ in cases)
+class GemmProbe:
+    """One block's projection GEMMs at `tokens` rows, operands made once, so that the time
+    child can probe the rate right before every timed step (this shared machine's GEMM rate
+    drifts by tens of percent between one step and the next)."""
 
-    def one_pass() -> float:
+    def __init__(self, cfg: Any, tokens: int, dtype: torch.dtype) -> None:
+        self.run = probe_dtype(dtype)
+        g = torch.Generator().manual_seed(0)
+        self.cases = []
+        for o, i in _projections(cfg):
+            w = torch.randn(o, i, generator=g).to(self.run)
+            x, dy = torch.randn(tokens, i, generator=g).to(self.run), torch.randn(tokens, o)
+            y, dx = torch.empty(tokens, o, dtype=self.run), torch.empty(tokens, i, dtype=self.run)
+            self.cases.append((w, x, dy.to(self.run), y, dx))
+        self.flops = sum(2 * 2 * tokens * w.numel() for w, *_ in self.cases)
+        self._pass()  # one untimed pass: first-touch and kernel selection
+
+    def _pass(self) -> float:
         t = time.perf_counter()
-        for w, x, dy, y, dx in cases:
+        for w, x, dy, y, dx in self.cases:
             torch.mm(x, w.t(), out=y)
             torch.mm(dy, w, out=dx)
         return time.perf_counter() - t
 
-    one_pass()
-    times = [one_pass() for _ in range(max(1, passes))]
-    best = min(times)
-    return {
-        "gflops": flops / best / 1e9,
-        "dtype": str(run).removeprefix("torch."),
-        "pass_flops": flops,
-        "passes_s": times,
-        "threads": torch.get_num_threads(),
-    }
+    def rate(self, passes: int = 5) -> dict[str, Any]:
+        """GFLOP/s of the best of `passes` passes (x·Wᵀ and dy·W for all seven projections)."""
+        times = [self._pass() for _ in range(max(1, passes))]
+        return {
+            "gflops": self.flops / min(times) / 1e9,
+            "dtype": str(self.run).removeprefix("torch."),
+            "pass_flops": self.flops,
+            "passes_s": times,
+            "threads": torch.get_num_threads(),
+        }
+
+
+def gemm_rate(cfg: Any, tokens: int, dtype: torch.dtype, passes: int = 5) -> dict[str, Any]:
+    """GFLOP/s of one block's projection GEMMs at `tokens` rows, best of `passes` (one
+    untimed pass first). Each pass: x·Wᵀ and dy·W for all seven projections."""
+    return GemmProbe(cfg, tokens, dtype).rate(passes)
 
 
 def matmul_floor(cfg: Any, tokens: int, gflops: float) -> dict[str, Any]:
@@ -94,4 +105,4 @@ def matmul_floor(cfg: Any, tokens: int, gflops: float) -> dict[str, Any]:
             "seconds": flops / (gflops * 1e9)}  # fmt: skip
 
 
-__all__ = ["floor_flops", "gemm_rate", "matmul_floor", "matmul_params", "probe_dtype"]
+__all__ = ["GemmProbe", "floor_flops", "gemm_rate", "matmul_floor", "matmul_params", "probe_dtype"]

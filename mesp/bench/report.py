@@ -26,7 +26,7 @@ from mesp.bench.cells import (
     cell_mem,
     cell_rss,
     cell_time,
-    floor_s,
+    floor_ratio,
     fmt,
     index,
     mem,
@@ -110,9 +110,7 @@ def section(rows: list[Row], table: str, dtype: str) -> list[str]:
             tr = ratio(secs(idx.get((*k, "bp"))), secs(idx.get((*k, "mesp-budget"))))
         else:
             tr = ratio(secs(mesp), secs(idx.get((*k, "mebp"))))
-        time_rows.append(
-            [label, *map(cell_time, rs), fmt(tr), fmt(ratio(secs(mesp), floor_s(mesp)))]
-        )
+        time_rows.append([label, *map(cell_time, rs), fmt(tr), fmt(floor_ratio(mesp))])
     out += _grid(
         [
             name,

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mesp.bench.cells import Key, Row, floor_s, fmt, grid, index, mem, ok, ratio, secs
+from mesp.bench.cells import Key, Row, floor_ratio, floor_s, fmt, grid, index, mem, ok, ratio, secs
 from mesp.ops import matmul as matmul_ops
 
 FLOOR_GOAL = 1.15  # mesp step / matmul floor
@@ -83,7 +83,7 @@ def targets(rows: list[Row], dtype: str) -> list[str]:
             0.20,
         )
         t.add(f"{shape}: mesp / mebp step time", ratio(secs(r), secs(mebp)), 1.10)
-        if t.add(f"{shape}: mesp step / matmul floor", ratio(secs(r), floor_s(r)), FLOOR_GOAL):
+        if t.add(f"{shape}: mesp step / matmul floor", floor_ratio(r), FLOOR_GOAL):
             notes.append(_floor_note(shape, r, fp))
         tps = ratio(secs(peft), secs(r))  # = mesp tokens/s over peft tokens/s
         what = f"{shape}: mesp 4-bit / peft+gc tokens/s (all blocks recomputed)"
@@ -101,7 +101,7 @@ def targets(rows: list[Row], dtype: str) -> list[str]:
 
 
 def _floor_note(shape: str, r: Row, fp: Row | None) -> str:
-    x, step, fl = secs(r) / floor_s(r), secs(r), floor_s(r)  # type: ignore[operator]
+    x, step, fl = floor_ratio(r), secs(r), floor_s(r)
     g = r["gemm"]
     text = (
         f"- {shape}, mesp step / matmul floor: {x:.2f}x against ≤ {FLOOR_GOAL:g}, missed by "
@@ -109,7 +109,12 @@ def _floor_note(shape: str, r: Row, fp: Row | None) -> str:
         f"6·N·T GEMMs take {fl:.3g} s of the {step:.3g} s step ({1 / x:.0%}); the other "
         f"{step - fl:.3g} s is work outside them"
     )
-    y = ratio(secs(fp), floor_s(fp))
+    per_step = r["time"].get("floor_ratios")
+    if per_step:  # each step against the rate probed right before it
+        text = text.replace("At the probed", "At the median probed", 1) + (
+            f" (the {len(per_step)} steps' own ratios: {min(per_step):.2f}–{max(per_step):.2f})"
+        )
+    y = floor_ratio(fp)
     if y is None:
         return text + " (dequantization, attention, LoRA, norms, CE, GEMMs below the probe rate)."
     rates = r["gemm"]["gflops"], fp["gemm"]["gflops"]  # type: ignore[index]
@@ -134,7 +139,7 @@ def _peft_note(shape: str, tps: float, r: Row, fp: Row | None, peft: Row | None)
             f" On the unquantized base mesp runs at {fp_tps:.2f}x peft+gc, so the 4-bit "
             f"base's dequantization costs {1 - tps / fp_tps:.0%} of mesp's tokens/s."
         )
-    pr = ratio(secs(peft), floor_s(peft))
+    pr = floor_ratio(peft)
     if pr is not None:
         text += f" peft+gc's own step is {pr:.2f}x its matmul floor."
     return text
