@@ -18,7 +18,9 @@ from mesp.bench import dequant as bench_dequant
 from mesp.bench import dropin as dropin_bench
 from mesp.bench import ladder as bench_ladder
 from mesp.bench import ondevice as bench_ondevice
+from mesp.bench import profile as bench_profile
 from mesp.bench import softmax as bench_softmax
+from mesp.bench import speed as bench_speed
 from mesp.bench.cells import (
     LABELS,
     MiB,
@@ -328,6 +330,8 @@ def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
     lines += dtype_section(rows)
     lines += bench_ladder.section(rows)
     lines += bench_softmax.section(rows)
+    lines += bench_speed.section(rows)
+    lines += bench_profile.section(rows)
     lines += bench_dequant.section(rows)
     lines += bench_decode.section(rows)
     lines += dropin_bench.section(rows)

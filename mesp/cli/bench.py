@@ -1,4 +1,5 @@
-"""`mesp bench {table1,...,ladder,softmax,dequant,decode,dropin,ondevice}`: flags to the benchmarks.
+"""`mesp bench {table1,...,ladder,softmax,dequant,decode,dropin,ondevice,profile,speed}`: flags
+to the benchmarks.
 
 `quick` is table 1 on a tiny 2-layer shape (about a minute; what the tests run); `--quick`
 does the same for any table. Rows accumulate under --out, so tables can be run piece by piece
@@ -30,6 +31,8 @@ TABLE_CHOICES = (
     "decode",
     "dropin",
     "ondevice",
+    "profile",
+    "speed",
 )
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -161,6 +164,12 @@ def run(ns: argparse.Namespace) -> int:
         return bench_studies.run_decode(ns)
     if ns.table == "ondevice":
         return bench_studies.run_ondevice(ns)
+    if ns.table in ("profile", "speed"):
+        ns.dtype = ns.dtype or cpu_dtype()
+        if ns.steps < 1 or ns.warmup < 0:
+            raise MespError("--steps must be >= 1 and --warmup >= 0")
+        run_study = bench_studies.run_profile if ns.table == "profile" else bench_studies.run_speed
+        return run_study(ns)
     if ns.table == "softmax":
         return bench_studies.run_softmax(ns)
     if ns.table == "ladder":

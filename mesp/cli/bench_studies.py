@@ -90,6 +90,64 @@ def run_dequant(ns: argparse.Namespace) -> int:
     )
 
 
+def run_speed(ns: argparse.Namespace) -> int:
+    """Variants' step times side by side in one process (mesp/bench/speed.py): --engines
+    (the first is the reference of the ratios; `name:dtype` for a dtype of its own), one
+    --shapes / --seq / --rank configuration, --steps rounds after --warmup steps each."""
+    from mesp.bench.speed import line, run_speed
+
+    variants = tuple(ns.engines) if ns.engines else ("mesp", "peft-gc", "mesp-fp", "mebp")
+    shape = (ns.shapes or ("qwen2.5-0.5b",))[0]
+    seq, rank = (ns.seq or (256,))[0], (ns.rank or (8,))[0]
+    if len(ns.shapes or ()) > 1 or len(ns.seq or ()) > 1 or len(ns.rank or ()) > 1:
+        raise MespError("speed: one --shapes, --seq and --rank at a time")
+    parts = ["mesp", "bench", "speed", "--engines", ",".join(variants), "--shapes", shape]
+    parts += ["--seq", str(seq), "--rank", str(rank), "--dtype", ns.dtype]
+    parts += ["--steps", str(ns.steps), "--warmup", str(ns.warmup), "--out", str(ns.out)]
+    parts += ["--markdown", str(ns.markdown)] if ns.markdown else []
+    cmd = shlex.join(parts)
+    return measure_then_report(
+        ns,
+        lambda: run_speed(ns.out, shape, seq, rank, ns.dtype, variants, ns.steps, ns.warmup, cmd),
+        line,
+    )
+
+
+def run_profile(ns: argparse.Namespace) -> int:
+    """Where a step's time goes (mesp/bench/profile.py): each --engines entry (mesp, mebp, bp;
+    a -fp suffix: the fp32/bf16 base instead of 4-bit g64) on each --shapes, one profiled step
+    after --warmup and --steps plain ones."""
+    from mesp.bench.profile import line, run_profile
+
+    if ns.steps < 1 or ns.warmup < 0:
+        raise MespError("--steps must be >= 1 and --warmup >= 0")
+    variants = tuple(ns.engines) if ns.engines else ("mesp", "mesp-fp")
+    shapes = tuple(ns.shapes) if ns.shapes else ("qwen2.5-0.5b",)
+    engines = []
+    for v in variants:
+        e = v.removesuffix("-fp")
+        if e not in ("mesp", "mebp", "bp"):
+            raise MespError(f"profile: --engines takes mesp, mebp, bp (optionally -fp), got {v!r}")
+        engines.append((e, None if v.endswith("-fp") else 4))
+    parts = ["mesp", "bench", "profile", "--engines", ",".join(variants)]
+    parts += ["--shapes", ",".join(shapes), "--dtype", ns.dtype, "--steps", str(ns.steps)]
+    parts += ["--warmup", str(ns.warmup), "--out", str(ns.out)]
+    parts += ["--markdown", str(ns.markdown)] if ns.markdown else []
+    cmd = shlex.join(parts)
+
+    def measure() -> list:
+        from mesp.bench.child import shape_dict
+
+        rows = []
+        for shape in shapes:
+            shape_dict(shape)  # an unknown shape: one line, before anything runs
+            for e, bits in engines:
+                rows += run_profile(ns.out, e, shape, ns.dtype, bits, ns.steps, ns.warmup, cmd)
+        return rows
+
+    return measure_then_report(ns, measure, line)
+
+
 def run_decode(ns: argparse.Namespace) -> int:
     """The int4 decode kernel against dequantize + matmul (mesp/bench/decode.py): per layer,
     and `mesp generate` on each --models entry (default smollm2) for --decode-tokens tokens."""
