@@ -103,3 +103,35 @@ def test_speed_refuses_unknown_variants_and_dtypes(tmp_path: Path) -> None:
     for bad, msg in (("mesp,nope", "unknown variant 'nope'"), ("mesp:int8", "must be float32")):
         with pytest.raises(MespError, match=msg):
             run(_ns(["bench", "speed", "--engines", bad, "--out", str(tmp_path)]))
+
+
+def _speed_row(times: dict[str, list[float]]) -> dict:
+    v = {
+        n: {"steps_s": ts, "median_s": sorted(ts)[1], "tokens_per_s": 256 / sorted(ts)[1],
+            "floor_ratios": [t / 5.0 for t in ts], "floor_ratio": sorted(ts)[1] / 5.0}
+        for n, ts in times.items()
+    }  # fmt: skip
+    c = {"shape": "qwen2.5-0.5b", "seq": 256, "rank": 8, "dtype": "float32", "rounds": 3}
+    return {"table": "speed", "status": "ok", "command": "mesp bench speed", "variants": v,
+            "config": {**c, "variants": list(times), "warmup": 1, "threads": 2},
+            "probe_gflops": {"float32": [100.0, 120.0, 110.0]}}  # fmt: skip
+
+
+def test_time_targets_come_from_the_side_by_side_row() -> None:
+    """Round by round, peft+gc's step over mesp's is 1.2, 1.0, 1.1: the target reads the
+    median of those, 1.10, where the per-variant medians (7.5 / 6.5 s) would say 1.15."""
+    from mesp.bench.targets import targets
+
+    row = _speed_row({
+        "mesp:float32": [6.0, 7.5, 6.5],
+        "peft-gc:float32": [7.2, 7.5, 7.15],
+        "mesp:bfloat16": [6.6, 8.0, 7.0],
+    })  # fmt: skip
+    text = "\n".join(targets([row], "float32"))
+    assert "| qwen2.5-0.5b: mesp 4-bit / peft+gc tokens/s (all blocks recomputed) (side by " \
+        "side) | 1.10 | ≥ 1.05 | met |" in text  # fmt: skip
+    # each round's bf16 step over its fp32 one: 1.1, 1.067, 1.077
+    assert "bf16 / fp32 step time, 4-bit base (side by side) | 1.08 | ≤ 1.15 | met" in text
+    assert "mesp step / matmul floor (side by side) | 1.30 | ≤ 1.15 | MISSED" in text
+    assert "rounds ranged 1.20–1.50" in text
+    assert "mesp / mebp step time (side by side) | – | ≤ 1.1 | not measured" in text
