@@ -114,7 +114,7 @@ def _speed_row(times: dict[str, list[float]]) -> dict:
     c = {"shape": "qwen2.5-0.5b", "seq": 256, "rank": 8, "dtype": "float32", "rounds": 3}
     return {"table": "speed", "status": "ok", "command": "mesp bench speed", "variants": v,
             "config": {**c, "variants": list(times), "warmup": 1, "threads": 2},
-            "probe_gflops": {"float32": [100.0, 120.0, 110.0]}}  # fmt: skip
+            "probe_gflops": {"float32": [100.0, 120.0, 110.0]}, "bf16_gemm": False}  # fmt: skip
 
 
 def test_time_targets_come_from_the_side_by_side_row() -> None:
@@ -130,8 +130,12 @@ def test_time_targets_come_from_the_side_by_side_row() -> None:
     text = "\n".join(targets([row], "float32"))
     assert "| qwen2.5-0.5b: mesp 4-bit / peft+gc tokens/s (all blocks recomputed) (side by " \
         "side) | 1.10 | ≥ 1.05 | met |" in text  # fmt: skip
-    # each round's bf16 step over its fp32 one: 1.1, 1.067, 1.077
-    assert "bf16 / fp32 step time, 4-bit base (side by side) | 1.08 | ≤ 1.15 | met" in text
+    # each round's bf16 step over its fp32 one: 1.1, 1.067, 1.077; the bf16 target reads rows
+    # whose bf16 ran on the fp32 GEMM (this synthetic row: a CPU without a bf16 GEMM)
+    assert "bf16 (computed in fp32) / fp32 step time, 4-bit base (side by side) | 1.08 | ≤ 1.15 " \
+        "| met" in text  # fmt: skip
+    native = targets([{**row, "bf16_gemm": True}], "float32")
+    assert "4-bit base (side by side) | – | ≤ 1.15 | not measured" in "\n".join(native)
     assert "mesp step / matmul floor (side by side) | 1.30 | ≤ 1.15 | MISSED" in text
     assert "rounds ranged 1.20–1.50" in text
     assert "mesp / mebp step time (side by side) | – | ≤ 1.1 | not measured" in text

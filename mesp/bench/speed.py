@@ -73,14 +73,19 @@ def _build(variant: str, dtype: str, shape: str, seq: int, rank: int) -> Callabl
 
 def run_speed(
     out: Path, shape: str, seq: int, rank: int, dtype: str, variants: tuple[str, ...],
-    rounds: int, warmup: int, command: str,
+    rounds: int, warmup: int, command: str, matmul: str = "auto",
 ) -> list[Row]:  # fmt: skip
-    """Build every variant, warm each up, then `rounds` rounds; one row under OUT/rows/speed/."""
+    """Build every variant, warm each up, then `rounds` rounds; one row under OUT/rows/speed/.
+    matmul: mesp.ops.matmul's bf16 switch for this process (fp32: bf16 computed in fp32, as on
+    a CPU without a bf16 GEMM, also where this one has it)."""
     from mesp.bench.child import ChildConfig, _model_config
     from mesp.bench.floor import GemmProbe, matmul_floor, probe_dtype
+    from mesp.ops import matmul as matmul_ops
 
     if rounds < 1 or warmup < 0:
         raise MespError("speed: --steps (rounds) must be >= 1 and --warmup >= 0")
+    os.environ[matmul_ops.ENV] = matmul
+    matmul_ops.mode()  # a bad value: one line, before anything is built
     parsed = [parse_variant(v, dtype) for v in variants]
     names = [f"{v}:{d}" for v, d in parsed]
     if len(set(names)) != len(names):
@@ -122,12 +127,16 @@ def run_speed(
         "status": "ok",
         "command": command,
         "config": {"shape": shape, "seq": seq, "rank": rank, "dtype": dtype, "rounds": rounds,
-                   "warmup": warmup, "variants": names, "threads": torch.get_num_threads()},
+                   "warmup": warmup, "variants": names, "threads": torch.get_num_threads(),
+                   "matmul": matmul},
+        "bf16_gemm": matmul_ops.native_kernel(torch.bfloat16),
         "variants": per,
         "probe_gflops": rates,
         "load_after": os.getloadavg()[0],
     }  # fmt: skip
-    write_row(out / "rows" / "speed" / f"{shape}_s{seq}_r{rank}_{dtype}.json", row, line, "speed")
+    tag = "" if matmul == "auto" else f"_matmul-{matmul}"
+    name = f"{shape}_s{seq}_r{rank}_{dtype}{tag}.json"
+    write_row(out / "rows" / "speed" / name, row, line, "speed")
     return [row]
 
 
@@ -152,6 +161,16 @@ def line(r: Row) -> str:
     return f"{c['shape']} s{c['seq']} r{c['rank']}, {c['rounds']} rounds: " + "; ".join(parts)
 
 
+def _bf16_path(r: Row) -> str:
+    m = r["config"].get("matmul", "auto")
+    native = r.get("bf16_gemm")
+    if m == "fp32" or (m == "auto" and native is False):
+        return "computed in fp32, stored bf16" + (
+            " (forced: this CPU has a bf16 GEMM)" if native else ""
+        )
+    return "the CPU's native bf16 GEMM" if native or m == "native" else "unknown"
+
+
 def section(rows: list[Row]) -> list[str]:
     ok = [r for r in rows if r.get("table") == "speed" and r.get("status") == "ok"]
     if not ok:
@@ -172,7 +191,8 @@ def section(rows: list[Row]) -> list[str]:
         rates = ", ".join(f"{k} {min(v):.0f}–{max(v):.0f}" for k, v in r["probe_gflops"].items())
         lines += [
             f"`{r['command']}` — {c['shape']}, seq {c['seq']}, rank {c['rank']}, "
-            f"{c['rounds']} rounds, {c['threads']} threads; probed GFLOP/s: {rates}.",
+            f"{c['rounds']} rounds, {c['threads']} threads, bf16 matmuls: {_bf16_path(r)}; "
+            f"probed GFLOP/s: {rates}.",
             "",
             f"| variant | median s/step (tokens/s) | time / {ref}'s, per round: median (min–max) "
             "| step / floor: median (min–max) |",

@@ -104,11 +104,14 @@ def run_speed(ns: argparse.Namespace) -> int:
     parts = ["mesp", "bench", "speed", "--engines", ",".join(variants), "--shapes", shape]
     parts += ["--seq", str(seq), "--rank", str(rank), "--dtype", ns.dtype]
     parts += ["--steps", str(ns.steps), "--warmup", str(ns.warmup), "--out", str(ns.out)]
+    parts += [] if ns.matmul == "auto" else ["--matmul", ns.matmul]
     parts += ["--markdown", str(ns.markdown)] if ns.markdown else []
     cmd = shlex.join(parts)
     return measure_then_report(
         ns,
-        lambda: run_speed(ns.out, shape, seq, rank, ns.dtype, variants, ns.steps, ns.warmup, cmd),
+        lambda: run_speed(
+            ns.out, shape, seq, rank, ns.dtype, variants, ns.steps, ns.warmup, cmd, ns.matmul
+        ),
         line,
     )
 
