@@ -11,9 +11,11 @@ then one step under torch.profiler, and the self time of every torch op summed b
   outside ops  the step's wall time that no torch op holds: the native dequantizer (a ctypes
                call, no torch op), Python, and the profiler's own cost
 
-plus the GEMMs' achieved rate (their flops at the shapes the profiler recorded, over their
-time). The profiled step runs slower than an unprofiled one (the profiler records every op),
-so read the shares, not the seconds; the timed steps before it are plain, for comparison.
+plus the GEMMs' achieved rate (their flops at the shapes a second profiled step recorded, over
+their time in the first: recording shapes perturbs the heap, so the split comes from a step
+profiled without them). The profiled step runs slower than an unprofiled one (the profiler
+records every op), so read the shares, not the seconds; the timed steps before it are plain,
+for comparison, and the row keeps the minor page faults of the profiled step.
 """
 
 from __future__ import annotations
@@ -105,17 +107,28 @@ def run_profile(
     step, *_ = _mesp_setup(c, getattr(torch, dtype), batch)
     for _ in range(warmup):
         step()
-    times, rates = [], []
+    times, rates, plain_faults = [], [], []
     for _ in range(steps):
         rates.append(probe.rate(passes=3)["gflops"])
-        t = time.perf_counter()
+        f0, t = _minor_faults(), time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        plain_faults.append(_minor_faults() - f0)
+    # the split from a step profiled without shapes: recording shapes perturbs the heap enough
+    # that fresh outputs page-fault, which inflated elementwise ops 4-6x in a trial run
+    faults = _minor_faults()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         step()
         wall = time.perf_counter() - t
-    b = breakdown(prof.key_averages(group_by_input_shape=True), wall)
+    faults = _minor_faults() - faults
+    b = breakdown(prof.key_averages(), wall)
+    # the GEMMs' flops (the same in every step) from one more step, profiled with shapes
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as shaped:
+        step()
+    flops = breakdown(shaped.key_averages(group_by_input_shape=True), wall)["gemm_flops"]
+    gemm_s = b["seconds"]["gemm"]
+    b.update(gemm_flops=flops, gemm_gflops=flops / gemm_s / 1e9 if gemm_s else None)
     rate = statistics.median(rates)
     row = {
         "table": "profile",
@@ -128,11 +141,19 @@ def run_profile(
         "probe_gflops": rate,
         "floor_s": matmul_floor(cfg, tokens, rate)["seconds"],
         "profiled_s": wall,
+        "minor_faults": faults,
+        "plain_minor_faults": plain_faults,
         **b,
     }  # fmt: skip
     name = f"{engine}_{shape}_{dtype}_{'q' + str(bits) if bits else 'dense'}.json"
     write_row(out / "rows" / "profile" / name, row, line, "profile")
     return [row]
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def line(r: dict[str, Any]) -> str:
@@ -176,7 +197,13 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
             f"{t['op'].removeprefix('aten::')} {t['seconds'] * 1e3:.0f} ms ({t['calls']})"
             for t in r["top_non_gemm"]
         )
-        lines.append(f"- {r['config']['engine']}, largest non-GEMM ops (calls): {top}.")
+        base = "4-bit" if r["config"]["bits"] else "dense"
+        faults = (
+            f"; minor page faults in the step: {r['minor_faults']}" if "minor_faults" in r else ""
+        )
+        lines.append(
+            f"- {r['config']['engine']}, {base}: largest non-GEMM ops (calls): {top}{faults}."
+        )
     return lines + [""]
 
 
