@@ -128,6 +128,14 @@ def test_time_targets_come_from_the_side_by_side_row() -> None:
         "mesp:bfloat16": [6.6, 8.0, 7.0],
     })  # fmt: skip
     text = "\n".join(targets([row], "float32"))
+    budget = _speed_row({"mesp-budget:float32": [4.0, 4.4, 5.0], "bp:float32": [5.0, 5.5, 5.5]})
+    budget["config"]["rounds"] = 3
+    with_bp = "\n".join(targets([row, budget], "float32"))
+    # bp's step over the kept-tape one, per round: 1.25, 1.25, 1.1
+    assert (
+        "mesp with budget (kept tapes) / bp tokens/s (side by side) | 1.25 | ≥ 0.95 | met"
+        in with_bp
+    )
     assert "| qwen2.5-0.5b: mesp 4-bit / peft+gc tokens/s (all blocks recomputed) (side by " \
         "side) | 1.10 | ≥ 1.05 | met |" in text  # fmt: skip
     # each round's bf16 step over its fp32 one: 1.1, 1.067, 1.077; the bf16 target reads rows

@@ -198,9 +198,10 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
             for t in r["top_non_gemm"]
         )
         base = "4-bit" if r["config"]["bits"] else "dense"
-        faults = (
-            f"; minor page faults in the step: {r['minor_faults']}" if "minor_faults" in r else ""
-        )
+        faults = ""
+        if "plain_minor_faults" in r:  # the profiler's own allocations can make fresh pages fault
+            plain = ", ".join(map(str, r["plain_minor_faults"]))
+            faults = f"; minor page faults: {r['minor_faults']} profiled, {plain} in plain steps"
         lines.append(
             f"- {r['config']['engine']}, {base}: largest non-GEMM ops (calls): {top}{faults}."
         )

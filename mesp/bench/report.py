@@ -173,13 +173,17 @@ def dtype_section(rows: list[Row]) -> list[str]:
             continue
         t, v, shape, seq, rank = k
         label = f"{LABELS.get(v, v)}, {shape} s{seq} r{rank} ({t})"
-        if f32.get("threads") != b16.get("threads") or ("children" in f32) != ("children" in b16):
-            unpaired.append(label)  # not timed alike (threads, malloc): no honest ratio
+        if (
+            f32.get("threads") != b16.get("threads")
+            or ("children" in f32) != ("children" in b16)
+            or f32.get("bf16_gemm") != b16.get("bf16_gemm")
+        ):
+            unpaired.append(label)  # not timed alike (threads, malloc, CPU): no honest ratio
             continue
         path = str(b16.get("matmul", "–")).split(" (")[0]
         row = [label, cell_time(f32), cell_time(b16), fmt(ratio(secs(b16), secs(f32))), path]
         body.append(row)
-    if not body:
+    if not body and not unpaired:
         return []
     head = ["configuration", "fp32 s (tokens/s)", "bf16 s (tokens/s)", "bf16 / fp32", "bf16 path"]
     out = ["## bf16 against fp32", "", "Median step time of the same configuration in both "]
@@ -188,17 +192,33 @@ def dtype_section(rows: list[Row]) -> list[str]:
     if unpaired:
         notes = [
             "",
-            "Not paired (their two rows were timed with different thread counts or malloc "
-            f"settings; re-measure both to compare): {'; '.join(unpaired)}.",
+            "Not paired (their two rows were timed with different thread counts, malloc "
+            f"settings or CPUs; re-measure both to compare): {'; '.join(unpaired)}.",
         ]
+    if not body:  # only the side-by-side rows pair the two dtypes
+        notes.append("The targets table takes the ratio from `mesp bench speed` rows instead.")
+        return [*out, *notes, ""]
     return [*out, "", *_grid(head, body), *notes, ""]
+
+
+def _machines_note(rows: list[Row]) -> str:
+    """Rows from CPUs with and without a bf16 GEMM: the project's machines have changed, so say
+    which is which (time ratios are only taken between rows of one kind)."""
+    flags = {r["bf16_gemm"] for r in rows if "bf16_gemm" in r}
+    if len(flags) < 2:
+        return ""
+    return (
+        " Rows come from two kinds of machine: ones without a bf16 GEMM (AVX2 only) and ones "
+        "with AVX512-BF16, where torch's native bf16 GEMM runs about 2.5x the fp32 rate; each "
+        "row's JSON says which (`bf16_gemm`), and no time ratio pairs rows of the two kinds."
+    )
 
 
 def _matmul_note(rows: list[Row]) -> str:
     if not any(str(r.get("matmul", "")).startswith("fp32") for r in rows):
         return ""
     return (
-        "This CPU has no native bf16 GEMM (torch's fallback is 5-160x slower than fp32), so "
+        "On a CPU without a native bf16 GEMM (torch's fallback is 5-160x slower than fp32), "
         "mesp computes every bf16 matmul in fp32 and rounds the result once (bf16 storage, "
         "what a native bf16 kernel computes; mesp/ops/matmul.py): the rows time the path "
         "`mesp train --dtype bfloat16` runs, and the exact peak counts its transient fp32 "
@@ -272,12 +292,14 @@ def preamble(rows: list[Row], headline: str) -> list[str]:
         "",
         f"Headline dtype: {headline}. "
         + (
-            "This CPU has no native bf16 GEMM (mesp.ops.matmul's check), so fp32 rows are the "
-            "headline and the targets are evaluated on them; other dtypes' tables follow as "
-            "secondary sections. No table mixes dtypes."
+            "Rows here were measured on a CPU without a native bf16 GEMM (mesp.ops.matmul's "
+            "check, recorded per row as `bf16_gemm`), so fp32 rows are the headline and the "
+            "targets are evaluated on them; other dtypes' tables follow as secondary sections. "
+            "No table mixes dtypes."
             if headline == "float32"
             else "Other dtypes' tables follow as secondary sections. No table mixes dtypes."
-        ),
+        )
+        + _machines_note(rows),
         "",
     ]
 

@@ -135,7 +135,8 @@ def run_speed(
         "load_after": os.getloadavg()[0],
     }  # fmt: skip
     tag = "" if matmul == "auto" else f"_matmul-{matmul}"
-    name = f"{shape}_s{seq}_r{rank}_{dtype}{tag}.json"
+    # one file per set of variants: runs of other variants on the same shape are kept beside it
+    name = f"{shape}_s{seq}_r{rank}_{dtype}{tag}_{'+'.join(names).replace(':', '-')}.json"
     write_row(out / "rows" / "speed" / name, row, line, "speed")
     return [row]
 
@@ -143,11 +144,32 @@ def run_speed(
 def paired(row: Row, a: str, b: str) -> float | None:
     """Median over rounds of step time a / step time b (names 'variant:dtype', or a bare
     variant in the row's dtype); None when either is missing."""
-    v, dt = row["variants"], row["config"]["dtype"]
-    a, b = (x if ":" in x else f"{x}:{dt}" for x in (a, b))
+    v = row["variants"]
+    a, b = _named(row, a), _named(row, b)
     if a not in v or b not in v:
         return None
     return statistics.median(x / y for x, y in zip(v[a]["steps_s"], v[b]["steps_s"], strict=True))
+
+
+def _named(row: Row, x: str) -> str:
+    return x if ":" in x else f"{x}:{row['config']['dtype']}"
+
+
+def best_pair(rows: list[Row], a: str, b: str) -> float | None:
+    """`paired` from the row, among `rows`, that has both a and b and the most rounds."""
+    both = [r for r in rows if {_named(r, a), _named(r, b)} <= set(r["variants"])]
+    if not both:
+        return None
+    return paired(max(both, key=lambda r: r["config"]["rounds"]), a, b)
+
+
+def best_variant(rows: list[Row], a: str) -> tuple[Row, dict[str, Any]] | None:
+    """(row, its entry for a) from the row, among `rows`, that has a and the most rounds."""
+    has = [r for r in rows if _named(r, a) in r["variants"]]
+    if not has:
+        return None
+    r = max(has, key=lambda r: r["config"]["rounds"])
+    return r, r["variants"][_named(r, a)]
 
 
 def line(r: Row) -> str:
@@ -162,13 +184,14 @@ def line(r: Row) -> str:
 
 
 def _bf16_path(r: Row) -> str:
-    m = r["config"].get("matmul", "auto")
-    native = r.get("bf16_gemm")
+    """', bf16 matmuls: …' where the row has a bf16 variant."""
+    if not any(n.endswith((":bfloat16", ":float16")) for n in r["config"]["variants"]):
+        return ""
+    m, native = r["config"].get("matmul", "auto"), r.get("bf16_gemm")
     if m == "fp32" or (m == "auto" and native is False):
-        return "computed in fp32, stored bf16" + (
-            " (forced: this CPU has a bf16 GEMM)" if native else ""
-        )
-    return "the CPU's native bf16 GEMM" if native or m == "native" else "unknown"
+        forced = " (forced: this CPU has a bf16 GEMM)" if native else ""
+        return ", bf16 matmuls computed in fp32, stored bf16" + forced
+    return ", bf16 matmuls on the CPU's native bf16 GEMM"
 
 
 def section(rows: list[Row]) -> list[str]:
@@ -191,7 +214,7 @@ def section(rows: list[Row]) -> list[str]:
         rates = ", ".join(f"{k} {min(v):.0f}–{max(v):.0f}" for k, v in r["probe_gflops"].items())
         lines += [
             f"`{r['command']}` — {c['shape']}, seq {c['seq']}, rank {c['rank']}, "
-            f"{c['rounds']} rounds, {c['threads']} threads, bf16 matmuls: {_bf16_path(r)}; "
+            f"{c['rounds']} rounds, {c['threads']} threads{_bf16_path(r)}; "
             f"probed GFLOP/s: {rates}.",
             "",
             f"| variant | median s/step (tokens/s) | time / {ref}'s, per round: median (min–max) "
@@ -211,4 +234,4 @@ def section(rows: list[Row]) -> list[str]:
     return lines
 
 
-__all__ = ["line", "paired", "parse_variant", "run_speed", "section"]
+__all__ = ["best_pair", "best_variant", "line", "paired", "parse_variant", "run_speed", "section"]

@@ -10,12 +10,13 @@ from collections.abc import Iterable
 import torch
 
 from mesp.bench.cells import Key, Row, floor_ratio, floor_s, fmt, grid, index, mem, ok, ratio, secs
-from mesp.bench.speed import paired
+from mesp.bench.speed import best_pair, best_variant
 from mesp.ops import matmul as matmul_ops
 
 FLOOR_GOAL = 1.15  # mesp step / matmul floor
 PEFT_RECOMPUTE_GOAL = 1.05  # mesp 4-bit tokens/s / peft+gc, every block recomputed
 PEFT_KEPT_GOAL = 1.3  # mesp under a budget that keeps tapes (item 4), tokens/s / peft+gc
+BUDGET_BP_GOAL = 0.95  # mesp keeping every tape (a generous budget), tokens/s / bp's
 BF16_GOAL = 1.15  # bf16 step time / fp32 on a CPU without a bf16 GEMM (computed in fp32)
 HEADLINE_CONFIG = ("qwen2.5-0.5b", 256, 8)  # shape, seq, rank of table 1's headline row
 
@@ -58,17 +59,17 @@ def targets(rows: list[Row], dtype: str) -> list[str]:
     real = [r for r in rows if not r.get("quick")]  # tiny --quick shapes are not targets
     t1, t2 = index(real, "table1", dtype), index(real, "table2", dtype)
     budget = index(real, "budget", dtype)
-    speed: dict[tuple[str, int, int], Row] = {}  # the product's own bf16 path (matmul auto)
-    bf16_on_fp32: dict[tuple[str, int, int], Row] = {}  # bf16 computed in fp32 (item 1)
+    speed: dict[tuple[str, int, int], list[Row]] = {}  # the product's own bf16 path (auto)
+    bf16_on_fp32: dict[tuple[str, int, int], list[Row]] = {}  # bf16 computed in fp32 (item 1)
     for r in real:
         c = r.get("config", {})
         if r.get("table") != "speed" or not ok(r) or c["dtype"] != dtype:
             continue
         k, m = (c["shape"], c["seq"], c["rank"]), c.get("matmul", "auto")
         if m == "auto":
-            speed[k] = r
+            speed.setdefault(k, []).append(r)
         if m == "fp32" or (m == "auto" and r.get("bf16_gemm") is False):
-            bf16_on_fp32[k] = r
+            bf16_on_fp32.setdefault(k, []).append(r)
     t, notes = _Table(), []
     # table 1's headline configuration is always listed: "not measured" until its rows exist
     keys = {k[:3] for k in t1 if k[3] == "mesp"} | {HEADLINE_CONFIG}
@@ -96,8 +97,8 @@ def targets(rows: list[Row], dtype: str) -> list[str]:
             0.20,
         )
         sp = speed.get((shape, seq, rank))
-        if sp is not None:  # side by side in one process: the time targets come from there
-            notes += speed_targets(t, shape, sp, bf16_on_fp32.get((shape, seq, rank)))
+        if sp:  # side by side in one process: the time targets come from there
+            notes += speed_targets(t, shape, sp, bf16_on_fp32.get((shape, seq, rank), []))
         else:
             t.add(f"{shape}: mesp / mebp step time", ratio(secs(r), secs(mebp)), 1.10)
             if t.add(f"{shape}: mesp step / matmul floor", floor_ratio(r), FLOOR_GOAL):
@@ -118,44 +119,47 @@ def targets(rows: list[Row], dtype: str) -> list[str]:
     return grid(["target", "measured", "goal", "", "missed by"], t.body) + ["", *notes, ""]
 
 
-def speed_targets(t: _Table, shape: str, sp: Row, bf: Row | None) -> list[str]:
-    """The time targets from a `mesp bench speed` row: each ratio taken inside a round (steps
-    seconds apart) and the median over rounds; the notes say what bounds a miss. bf: a speed
-    row whose bf16 matmuls ran in fp32 (the bf16 target is about CPUs without a bf16 GEMM;
-    `--matmul fp32` forces that path on one that has it)."""
-    dt, notes = sp["config"]["dtype"], []
-    v = sp["variants"]
+def speed_targets(t: _Table, shape: str, sp: list[Row], bf: list[Row]) -> list[str]:
+    """The time targets from `mesp bench speed` rows (each pair from the row that has both
+    variants and the most rounds): each ratio taken inside a round (steps seconds apart), the
+    median over rounds; the notes say what bounds a miss. bf: rows whose bf16 matmuls ran in
+    fp32 (the bf16 target is about CPUs without a bf16 GEMM; `--matmul fp32` forces that path
+    on one that has it)."""
+    notes: list[str] = []
     side = " (side by side)"
-    t.add(f"{shape}: mesp / mebp step time{side}", paired(sp, "mesp", "mebp"), 1.10)
-    mesp = v.get(f"mesp:{dt}")
-    fr = None if mesp is None else mesp["floor_ratio"]
-    if t.add(f"{shape}: mesp step / matmul floor{side}", fr, FLOOR_GOAL):
-        fp = v.get(f"mesp-fp:{dt}")
+    t.add(f"{shape}: mesp / mebp step time{side}", best_pair(sp, "mesp", "mebp"), 1.10)
+    got = best_variant(sp, "mesp")
+    fr = None if got is None else got[1]["floor_ratio"]
+    if t.add(f"{shape}: mesp step / matmul floor{side}", fr, FLOOR_GOAL) and got is not None:
+        row, mesp = got
+        fp = row["variants"].get(f"mesp-fp:{row['config']['dtype']}")
         notes.append(
             f"- {shape}, mesp step / matmul floor: {fr:.2f}x against ≤ {FLOOR_GOAL:g}, over by "
-            f"{fr / FLOOR_GOAL - 1:.0%} (median over {sp['config']['rounds']} rounds, each step "
+            f"{fr / FLOOR_GOAL - 1:.0%} (median over {row['config']['rounds']} rounds, each step "
             f"against the rate probed at the start of its round; rounds ranged "
-            f"{min(mesp['floor_ratios']):.2f}–{max(mesp['floor_ratios']):.2f})"  # type: ignore[index]
+            f"{min(mesp['floor_ratios']):.2f}–{max(mesp['floor_ratios']):.2f})"
             + ("." if fp is None else f"; the same engine on the unquantized base: "
                f"{fp['floor_ratio']:.2f}x, so the rest is outside dequantization: attention, "
                "LoRA's rank-r products, norms, RoPE, activations and the CE (`mesp bench "
                "profile` splits a step by kind).")
         )  # fmt: skip
-    tps = paired(sp, "peft-gc", "mesp")  # peft's time / mesp's = mesp's tokens/s over peft's
+    tps = best_pair(sp, "peft-gc", "mesp")  # peft's time / mesp's: mesp's tokens/s over peft's
     what = f"{shape}: mesp 4-bit / peft+gc tokens/s (all blocks recomputed){side}"
     if t.add(what, tps, PEFT_RECOMPUTE_GOAL, le=False):
-        fp_tps = paired(sp, "peft-gc", "mesp-fp")
+        fp_tps = best_pair(sp, "peft-gc", "mesp-fp")
         notes.append(
             f"- {shape}, mesp 4-bit / peft+gc tokens/s: {tps:.2f} against ≥ "
             f"{PEFT_RECOMPUTE_GOAL:g}"
             + ("." if fp_tps is None else f"; on the unquantized base {fp_tps:.2f}x.")
         )
     what = f"{shape}: mesp with budget (kept tapes) / peft+gc tokens/s{side}"
-    t.add(what, paired(sp, "peft-gc", "mesp-budget"), PEFT_KEPT_GOAL, le=False)
+    t.add(what, best_pair(sp, "peft-gc", "mesp-budget"), PEFT_KEPT_GOAL, le=False)
+    what = f"{shape}: mesp with budget (kept tapes) / bp tokens/s{side}"
+    t.add(what, best_pair(sp, "bp", "mesp-budget"), BUDGET_BP_GOAL, le=False)
     what = f"{shape}: mesp unquant. / peft+gc tokens/s{side}"
-    t.add(what, paired(sp, "peft-gc", "mesp-fp"), 1.0, False)
+    t.add(what, best_pair(sp, "peft-gc", "mesp-fp"), 1.0, False)
     for variant, label in (("mesp", "4-bit base"), ("mesp-fp", "bf16 base")):
-        x = None if bf is None else paired(bf, f"{variant}:bfloat16", f"{variant}:float32")
+        x = best_pair(bf, f"{variant}:bfloat16", f"{variant}:float32")
         what = f"{shape}: bf16 (computed in fp32) / fp32 step time, {label}{side}"
         t.add(what, x, BF16_GOAL)
     return notes
