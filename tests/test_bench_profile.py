@@ -5,6 +5,7 @@ section) and the accounting on hand-made events; nothing is timed against a thre
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,26 @@ def test_speed_runs_variants_side_by_side(tmp_path: Path, capsys: pytest.Capture
     assert paired(row, "peft-gc", "mesp") is None  # not in this run
     assert "tiny-qwen2 s64 r8, 3 rounds: mesp:float32" in capsys.readouterr().out
     assert "## Step time side by side (`mesp bench speed`)" in md.read_text()
+
+
+def test_speed_matmul_switch_is_the_runs_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--matmul fp32 holds for the run's steps and is undone after it, even on an error."""
+    from mesp.ops import matmul as matmul_ops
+
+    monkeypatch.setenv(matmul_ops.ENV, "native")
+    argv = ["bench", "speed", "--engines", "mesp:bfloat16", "--shapes", "tiny-qwen2"]
+    argv += ["--seq", "16", "--steps", "1", "--warmup", "0", "--matmul", "fp32"]
+    assert run(_ns([*argv, "--out", str(tmp_path)])) == 0
+    (row,) = [r for r in load_rows(tmp_path) if r["table"] == "speed"]
+    assert row["config"]["matmul"] == "fp32"
+    assert os.environ[matmul_ops.ENV] == "native"
+    with pytest.raises(MespError, match="unknown variant"):
+        run(
+            _ns(["bench", "speed", "--engines", "nope", "--matmul", "fp32", "--out", str(tmp_path)])
+        )
+    assert os.environ[matmul_ops.ENV] == "native"
 
 
 def test_speed_refuses_unknown_variants_and_dtypes(tmp_path: Path) -> None:

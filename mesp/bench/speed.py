@@ -78,14 +78,30 @@ def run_speed(
     """Build every variant, warm each up, then `rounds` rounds; one row under OUT/rows/speed/.
     matmul: mesp.ops.matmul's bf16 switch for this process (fp32: bf16 computed in fp32, as on
     a CPU without a bf16 GEMM, also where this one has it)."""
-    from mesp.bench.child import ChildConfig, _model_config
-    from mesp.bench.floor import GemmProbe, matmul_floor, probe_dtype
     from mesp.ops import matmul as matmul_ops
 
     if rounds < 1 or warmup < 0:
         raise MespError("speed: --steps (rounds) must be >= 1 and --warmup >= 0")
+    before = os.environ.get(matmul_ops.ENV)
     os.environ[matmul_ops.ENV] = matmul
-    matmul_ops.mode()  # a bad value: one line, before anything is built
+    try:
+        matmul_ops.mode()  # a bad value: one line, before anything is built
+        return [_run(out, shape, seq, rank, dtype, variants, rounds, warmup, command, matmul)]
+    finally:  # the switch is this run's, not the caller's
+        if before is None:
+            os.environ.pop(matmul_ops.ENV, None)
+        else:
+            os.environ[matmul_ops.ENV] = before
+
+
+def _run(
+    out: Path, shape: str, seq: int, rank: int, dtype: str, variants: tuple[str, ...],
+    rounds: int, warmup: int, command: str, matmul: str,
+) -> Row:  # fmt: skip
+    from mesp.bench.child import ChildConfig, _model_config
+    from mesp.bench.floor import GemmProbe, matmul_floor, probe_dtype
+    from mesp.ops import matmul as matmul_ops
+
     parsed = [parse_variant(v, dtype) for v in variants]
     names = [f"{v}:{d}" for v, d in parsed]
     if len(set(names)) != len(names):
@@ -137,8 +153,7 @@ def run_speed(
     tag = "" if matmul == "auto" else f"_matmul-{matmul}"
     # one file per set of variants: runs of other variants on the same shape are kept beside it
     name = f"{shape}_s{seq}_r{rank}_{dtype}{tag}_{'+'.join(names).replace(':', '-')}.json"
-    write_row(out / "rows" / "speed" / name, row, line, "speed")
-    return [row]
+    return write_row(out / "rows" / "speed" / name, row, line, "speed")
 
 
 def paired(row: Row, a: str, b: str) -> float | None:
