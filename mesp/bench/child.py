@@ -265,12 +265,18 @@ def _gemm_probe(c: ChildConfig, dtype: torch.dtype) -> Any:
     return GemmProbe(_model_config(c), c.batch * c.seq, dtype)
 
 
-def _measure(c: ChildConfig, dtype: torch.dtype, gemm: Any) -> dict[str, Any]:
+def random_batch(c: ChildConfig) -> Batch:
+    """The configuration's one random sequence per row (seed + 1), its last `loss_fraction`
+    of positions trained: what every timed or profiled step of `c` trains on."""
     vocab = shape_dict(c.shape)["vocab_size"]
     g = torch.Generator().manual_seed(c.seed + 1)
     ids = torch.randint(0, vocab, (c.batch, c.seq + 1), generator=g)
     mask = torch.ones(c.batch, c.seq, dtype=torch.bool)
-    batch = keep_last_fraction(Batch(ids[:, :-1], ids[:, 1:], mask), c.loss_fraction)
+    return keep_last_fraction(Batch(ids[:, :-1], ids[:, 1:], mask), c.loss_fraction)
+
+
+def _measure(c: ChildConfig, dtype: torch.dtype, gemm: Any) -> dict[str, Any]:
+    batch = random_batch(c)
     if c.device == "meta":  # inputs as meta tensors; targets and mask stay on the host
         batch = Batch(batch.input_ids.to("meta"), batch.targets, batch.mask)
     t0 = time.perf_counter()

@@ -93,18 +93,14 @@ def run_profile(
     """Time `steps` plain steps, then profile one; one row under OUT/rows/profile/."""
     from torch.profiler import ProfilerActivity, profile
 
-    from mesp.batch import Batch
-    from mesp.bench.child import ChildConfig, _mesp_setup, _model_config
+    from mesp.bench.child import ChildConfig, _mesp_setup, _model_config, random_batch
     from mesp.bench.floor import GemmProbe, matmul_floor
 
     c = ChildConfig(variant=engine, engine=engine, shape=shape, dtype=dtype, bits=bits)
     cfg = _model_config(c)
     tokens = c.batch * c.seq
     probe = GemmProbe(cfg, tokens, getattr(torch, dtype))
-    g = torch.Generator().manual_seed(c.seed + 1)
-    ids = torch.randint(0, cfg.vocab_size, (c.batch, c.seq + 1), generator=g)
-    batch = Batch(ids[:, :-1], ids[:, 1:], torch.ones(c.batch, c.seq, dtype=torch.bool))
-    step, *_ = _mesp_setup(c, getattr(torch, dtype), batch)
+    step, *_ = _mesp_setup(c, getattr(torch, dtype), random_batch(c))
     for _ in range(warmup):
         step()
     times, rates, plain_faults = [], [], []

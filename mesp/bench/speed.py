@@ -44,8 +44,7 @@ def parse_variant(text: str, dtype: str) -> tuple[str, str]:
 
 def _build(variant: str, dtype: str, shape: str, seq: int, rank: int) -> Callable[[], float]:
     """One variant's training step, set up as table 1's time child sets it up."""
-    from mesp.batch import Batch
-    from mesp.bench.child import ChildConfig, _mesp_setup, _peft_setup, shape_dict
+    from mesp.bench.child import ChildConfig, _mesp_setup, _peft_setup, random_batch
     from mesp.bench.tables import VARIANTS
     from mesp.bench.tracking import Fp32Matmul
     from mesp.ops import matmul as matmul_ops
@@ -54,12 +53,9 @@ def _build(variant: str, dtype: str, shape: str, seq: int, rank: int) -> Callabl
                     **VARIANTS[variant])  # fmt: skip
     if c.engine in ("mezo",) or c.offload != "none":
         raise MespError(f"speed: {variant} is not timed side by side (disk or zeroth order)")
-    g = torch.Generator().manual_seed(c.seed + 1)
-    ids = torch.randint(0, shape_dict(shape)["vocab_size"], (1, seq + 1), generator=g)
-    batch = Batch(ids[:, :-1], ids[:, 1:], torch.ones(1, seq, dtype=torch.bool))
     tdtype = getattr(torch, dtype)
     setup = _peft_setup if c.engine == "peft" else _mesp_setup
-    step = setup(c, tdtype, batch)[0]
+    step = setup(c, tdtype, random_batch(c))[0]
     fp32_mm = matmul_ops.computes_in_fp32(torch.empty(0, dtype=tdtype))
     if c.engine != "peft" or not fp32_mm:
         return step
@@ -108,10 +104,9 @@ def _run(
         raise MespError(f"speed: a variant is named twice in {', '.join(variants)}")
     cfg = _model_config(ChildConfig(variant="mesp", engine="mesp", shape=shape))
     tokens = seq
-    probes: dict[torch.dtype, GemmProbe] = {}
-    for _, d in parsed:  # one probe per dtype the GEMMs really run in
-        run = probe_dtype(getattr(torch, d))
-        probes.setdefault(run, GemmProbe(cfg, tokens, run))
+    # one probe per dtype the GEMMs really run in; each variant's steps use its own
+    runs_in = {n: probe_dtype(getattr(torch, d)) for n, (_, d) in zip(names, parsed, strict=True)}
+    probes = {run: GemmProbe(cfg, tokens, run) for run in dict.fromkeys(runs_in.values())}
     steps = {n: _build(v, d, shape, seq, rank) for n, (v, d) in zip(names, parsed, strict=True)}
     for n in names:
         for _ in range(warmup):
@@ -129,8 +124,7 @@ def _run(
             t = time.perf_counter()
             steps[n]()
             times[n].append(time.perf_counter() - t)
-            d = parsed[names.index(n)][1]
-            fl = matmul_floor(cfg, tokens, rate[probe_dtype(getattr(torch, d))])["seconds"]
+            fl = matmul_floor(cfg, tokens, rate[runs_in[n]])["seconds"]
             floors[n].append(times[n][-1] / fl)
     per = {
         n: {"steps_s": times[n], "median_s": statistics.median(times[n]),
