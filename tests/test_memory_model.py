@@ -282,8 +282,9 @@ def test_every_shape_is_published_and_on_a_ladder() -> None:
 
 def test_logits_are_the_loss_heads_part_of_the_peak() -> None:
     """bp and mebp peak in the full-vocabulary cross-entropy: their logits column is the (T, V)
-    fp32 log-softmax and its gradients, most of the peak; mesp peaks in a block backward, with no
-    logits alive. Every engine's columns add up to its peak."""
+    fp32 log-softmax and its gradients, most of the peak; mesp's chunked head keeps one logits
+    block (whether that or a block backward is its peak depends on the shape), a small part of
+    bp's. Every engine's columns add up to its peak."""
     cfg = shape_config("qwen2.5-0.5b")
     t, v = 256, cfg.vocab_size
     for eng in ENGINES:
@@ -293,7 +294,8 @@ def test_logits_are_the_loss_heads_part_of_the_peak() -> None:
         assert p["logits"] == (p["loss_head"] if p["peak_at"] == "cross-entropy" else 0)
         if eng in ("bp", "mebp"):
             assert p["peak_at"] == "cross-entropy" and int(p["logits"]) >= 3 * t * v * 4
-    assert predict(cfg, "mesp", t, 1, quant=Q4, optimizer="sgd")["logits"] == 0
+    ms, bp = (predict(cfg, e, t, 1, quant=Q4, optimizer="sgd") for e in ("mesp", "bp"))
+    assert 10 * int(ms["logits"]) < int(bp["logits"]) and int(ms["loss_head"]) < t * v * 4
 
 
 def test_the_budget_sets_how_many_tapes_mesp_keeps() -> None:

@@ -158,6 +158,26 @@ def test_tanh_gelu_stays_exact() -> None:
     assert float((F.gelu(x * w) - ref).abs().max()) > 1e-4  # the erf form would be caught
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_activation_backward_runs_on_the_runtime(act: str) -> None:
+    """The block backward's fused activation derivatives (aten silu_backward / gelu_backward)
+    have no ExecuTorch kernel: the lowering writes them out, and they give ATen's values."""
+    from mesp.ops.mlp import gated_act_backward
+
+    g = torch.Generator().manual_seed(1)
+    dm, gate, up = (torch.randn(4, 96, generator=g) * 3 for _ in range(3))
+
+    def fn(d):  # type: ignore[no-untyped-def]
+        dg, du = gated_act_backward(d["dm"], d["gate"], d["up"], act)
+        return {"dg": dg, "du": du}
+
+    low = lower(Flat(fn, ["dm", "gate", "up"], ["dg", "du"]), [dm, gate, up], {})
+    dg, du = _run_pte(low.pte, [dm, gate, up])
+    for y, ref in zip((dg, du), gated_act_backward(dm, gate, up, act), strict=True):
+        # XNNPACK's tanh / sigmoid are a few ulp off: bounded against the largest value
+        assert float((y - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+
+
 def test_attention_backward_holds_one_query_tile(et_cases) -> None:  # type: ignore[no-untyped-def]
     """No per-head (S × S) score matrix exists in the block backward: scores come in tiles of
     TILE query rows (at most TILE × S per head)."""

@@ -78,6 +78,27 @@ def test_gated_act_backward(act: str) -> None:
     gg, gu = torch.autograd.grad(gated_act(gr, ur, act), (gr, ur), dm)
     dg, du = gated_act_backward(dm, g, u, act)
     assert rel(dg, gg) < TOL and rel(du, gu) < TOL
+    # against the derivative written out (float64), independent of ATen's kernels
+    if act == "silu":
+        sg = torch.sigmoid(g)
+        a, da = g * sg, sg * (1 + g * (1 - sg))
+    else:
+        c = math.sqrt(2 / math.pi)
+        t = torch.tanh(c * (g + 0.044715 * g**3))
+        a = 0.5 * g * (1 + t)
+        da = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
+    assert rel(dg, dm * u * da) < TOL and rel(du, dm * a) < TOL
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_act_backward_is_autograds_bits(act: str, dtype: torch.dtype) -> None:
+    """In the training dtypes the hand backward runs autograd's own ops: equal bit for bit."""
+    g, u, dm = (randn(2, 9, 64, seed=s).to(dtype) for s in (3, 4, 5))
+    gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
+    gg, gu = torch.autograd.grad(gated_act(gr, ur, act), (gr, ur), dm)
+    dg, du = gated_act_backward(dm, g, u, act)
+    assert torch.equal(dg, gg) and torch.equal(du, gu) and dg.dtype == dtype
 
 
 # ---- attention ----

@@ -265,9 +265,8 @@ def tape_bytes(s: Sizes) -> int:
 
 def mesp_block_backward_peak(s: Sizes) -> int:
     """Beyond checkpoints, x and dy: the recompute, then the MLP half of the hand backward.
-    The gated-activation backward holds gate, up, dm, σ-or-tanh terms, a, a', d_up, dm·up and
-    d_gate: nine T×F tensors, four bytes each in fp32 (in bf16 the fp32 copies of gate, up and
-    dm take the place of two)."""
+    The gated-activation backward (ATen's fused act' kernel) holds gate, up, dm, dm·up and
+    d_gate, then d_gate and d_up beside the first three: five T×F tensors in the compute dtype."""
     T, F, D, e = s.T, s.F, s.D, s.e
     tiled = _mlp_tile(s)
     # tiled: gate/up are not on the tape; dn2 (T×D) is allocated first, then every MLP term
@@ -276,7 +275,7 @@ def mesp_block_backward_peak(s: Sizes) -> int:
     base = tape_attn + (T * D * e if tiled else 0)
     m = tiled or s
     Tm = m.T
-    act = base + 9 * Tm * F * s.f
+    act = base + 5 * Tm * F * e
     dd = s.sandwich * T * D * e  # Gemma3: the gradient through the post-MLP norm
     down = base + dd + 3 * Tm * F * e + s.proj(D, F, then=Tm * F * e)
     up = base + 2 * Tm * F * e + Tm * D * e + s.proj(F, D, then=Tm * D * e)

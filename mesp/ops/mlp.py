@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mesp.quant import tracing
+
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -19,10 +21,28 @@ def gated_act(gate: Tensor, up: Tensor, act: str) -> Tensor:
 
 
 def gated_act_backward(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor]:
-    """d gate = dm · up · act'(gate), d up = dm · act(gate). Shapes (..., F); math in float32.
+    """d gate = dm · up · act'(gate), d up = dm · act(gate). Shapes (..., F), in gate's dtype.
     silu'(g) = σ(g)(1 + g(1 − σ(g))).
     gelu_tanh(g) = ½g(1 + tanh u), u = √(2/π)(g + 0.044715g³):
-      gelu' = ½(1 + tanh u) + ½g(1 − tanh²u)·√(2/π)(1 + 3·0.044715g²)."""
+      gelu' = ½(1 + tanh u) + ½g(1 − tanh²u)·√(2/π)(1 + 3·0.044715g²).
+    Eager, act' is ATen's fused kernel (silu_backward / gelu_backward: one pass, fp32 math for
+    bf16) fed dm · up: the very ops autograd runs for act(gate) · up, so the gradients equal
+    bp's bit for bit, in four passes over (…, F) where the formula written out takes nine.
+    Under export (the on-device programs) it is written out: ExecuTorch has no kernel for the
+    fused ops, and torch.export keeps them whole."""
+    if tracing():
+        return _written_out(dm, gate, up, act)
+    # at most five (…, F) tensors at once: gate, up, dm, then dm·up and d_gate, then d_gate
+    # and d_up (written in place over act(gate): a product commutes bit for bit)
+    if act == "silu":
+        d_gate = torch.ops.aten.silu_backward(dm * up, gate)
+        return d_gate, F.silu(gate).mul_(dm)
+    d_gate = torch.ops.aten.gelu_backward(dm * up, gate, approximate="tanh")
+    return d_gate, F.gelu(gate, approximate="tanh").mul_(dm)
+
+
+def _written_out(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    """The docstring's formulas in elementwise ops, math in float32."""
     g = gate.to(torch.promote_types(gate.dtype, torch.float32))
     if act == "silu":
         s = torch.sigmoid(g)
