@@ -151,6 +151,34 @@ def test_autograd_linear_saves_low_precision_and_rounds_each_gradient_once() -> 
 
 
 @pytest.mark.usefixtures("fp32_mode")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_product_records_what_it_computes_in_place(dtype: torch.dtype) -> None:
+    """y + alpha·a b: in place without autograd, the same bits under it (torch's addmm in
+    fp32; the fp32 GEMM, rounded once, for bf16), and addmm's gradients: dc = dy,
+    da = alpha·dy bᵀ, db = alpha·aᵀ dy (each product rounded once, then scaled)."""
+    y0, a, b = (
+        _r(12, 40, seed=30, dtype=dtype),
+        _r(12, 8, seed=31, dtype=dtype),
+        _r(8, 40, seed=32, dtype=dtype),
+    )
+    ref = torch.addmm(y0.float(), a.float(), b.float(), alpha=0.7)
+    y = y0.clone()
+    with torch.no_grad():
+        out = mm.add_product(y, a, b, 0.7)
+    assert out is y  # in place: no fresh (n, m) result
+    assert torch.equal(out, ref.to(dtype))
+    yg, ag, bg = (t.clone().requires_grad_() for t in (y0, a, b))
+    rec = mm.add_product(yg, ag, bg, 0.7)
+    assert torch.equal(rec, out) and rec is not yg
+    dy = _r(12, 40, seed=33, dtype=dtype)
+    rec.backward(dy)
+    assert torch.equal(yg.grad, dy)
+    d32 = dy.float()
+    da, db = (d32 @ b.float().t()).to(dtype) * 0.7, (a.float().t() @ d32).to(dtype) * 0.7
+    assert torch.equal(ag.grad, da) and torch.equal(bg.grad, db)
+
+
+@pytest.mark.usefixtures("fp32_mode")
 def test_attention_in_fp32_is_the_upcast_flash_call_and_its_autograd_is_attention_bwd() -> None:
     q, k, v = _r(1, 4, 9, 8, seed=15), _r(1, 2, 9, 8, seed=16), _r(1, 2, 9, 8, seed=17)
     out32, _ = attention_fwd(q.float(), k.float(), v.float(), 0.3, None)

@@ -20,6 +20,7 @@ from mesp.errors import MespError
 from mesp.ops import int4_mm, native
 from mesp.ops.matmul import (
     BlockFill,
+    add_product,
     computes_in_fp32,
     linear,
     linear_blocks,
@@ -265,6 +266,9 @@ class Linear(FrozenWeight):
         y = frozen_matmul(x, self)
         if self.bias is not None:
             y = y + self.bias
-        if self.lora_A is not None:
-            y = y + self.lora_scale * linear(linear(x, self.lora_A), self.lora_B)
+        if self.lora_A is not None:  # y += s·h Bᵀ in the GEMM, h = x Aᵀ (…, r)
+            h = linear(x, self.lora_A)
+            y2 = y.reshape(-1, self.out_features)
+            y = add_product(y2, h.reshape(-1, h.shape[-1]), self.lora_B.t(), self.lora_scale)
+            y = y.view(*x.shape[:-1], self.out_features)
         return y

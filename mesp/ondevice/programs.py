@@ -26,6 +26,7 @@ from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
 from mesp.ops.attention import attention, attention_bwd, attention_fwd
 from mesp.ops.cross_entropy import _dlogits, _logits
 from mesp.ops.lora_linear import lora_linear_backward
+from mesp.ops.matmul import add_product
 from mesp.ops.mlp import gated_act, gated_act_backward
 from mesp.ops.norm import rms_norm, rms_norm_backward
 from mesp.ops.rope import apply_rope, apply_rope_backward
@@ -136,14 +137,17 @@ def block_parts(block: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, Te
 
 
 def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> Tensor:
-    """Linear.forward: y = x Wᵀ (+ b) (+ s·(x Aᵀ) Bᵀ), the same ops in the same order."""
+    """Linear.forward: y = x Wᵀ (+ b) (+ s·(x Aᵀ) Bᵀ in one addmm), the same ops in the same
+    order (the lowering writes addmm out as mm, mul and add: see mesp.ondevice.lower)."""
     ws = bs.lin(name)
     y = F.linear(x, dense(w, ws, x.dtype))
     if ws.bias:
         y = y + w[f"{ws.prefix}.bias"]
     if ws.lora_scale is not None:
         a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
-        y = y + ws.lora_scale * F.linear(F.linear(x, a), b)
+        h = F.linear(x, a)
+        y2, h2 = y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1])
+        y = add_product(y2, h2, b.t(), ws.lora_scale).view(y.shape)
     return y
 
 

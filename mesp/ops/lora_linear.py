@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from mesp.models.linear import FrozenWeight
-from mesp.ops.matmul import addmm_, linear, matmul
+from mesp.ops.matmul import add_product, addmm_, linear, matmul
 
 # A frozen (out, in) base: a FrozenWeight (dense or packed), a plain tensor, or dtype -> tensor.
 WeightSource = FrozenWeight | Tensor | Callable[[torch.dtype], Tensor]
@@ -49,7 +49,9 @@ def lora_linear_with_h(
     Everything in x.dtype, as `Linear.forward` computes it."""
     h = linear(x, A.to(x.dtype))
     y = base_linear(x, base, None if bias is None else bias.to(x.dtype))
-    return y.add_(linear(h, B.to(x.dtype)), alpha=s), h
+    n_out = y.shape[-1]
+    y2 = add_product(y.reshape(-1, n_out), h.reshape(-1, h.shape[-1]), B.to(x.dtype).t(), s)
+    return y2.view(y.shape), h
 
 
 def lora_linear(

@@ -126,6 +126,38 @@ def addmm_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
     return _fp32_mm(a, b, acc, alpha, acc)
 
 
+def add_product(y: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """y + alpha · a @ b, y (n, m), a (n, k), b (k, m): one GEMM that adds into its output (no
+    (n, m) product or scaled copy, each another pass). y must be a fresh result only the
+    caller holds: with no gradient recorded it is updated in place; under autograd the result
+    is torch.addmm's (the same bits), so a recorded forward equals an unrecorded one."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y, a, b))
+    if not computes_in_fp32(y) or not a.dtype == b.dtype == y.dtype:
+        return torch.addmm(y, a, b, alpha=alpha) if grad else y.addmm_(a, b, alpha=alpha)
+    if grad:
+        return _Fp32Addmm.apply(y, a, b, alpha)
+    return _fp32_mm(a, b, y, alpha, y)
+
+
+class _Fp32Addmm(torch.autograd.Function):
+    """add_product through the fp32 GEMM under autograd, with addmm's backward:
+    dy → dc = dy, da = alpha·(dy bᵀ), db = alpha·(aᵀ dy), each product rounded once."""
+
+    @staticmethod
+    def forward(ctx: Any, c: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b)
+        ctx.alpha = alpha
+        return _fp32_mm(a, b, c, alpha, torch.empty_like(c))
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor):  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        da = matmul(dy, b.t()).mul_(ctx.alpha) if need[1] else None
+        db = matmul(a.t(), dy).mul_(ctx.alpha) if need[2] else None
+        return (dy if need[0] else None), da, db, None
+
+
 class _Fp32Linear(torch.autograd.Function):
     """y = x wᵀ + b through the fp32 GEMM, under autograd. Saves x and w in their own dtype
     (as F.linear's autograd does), so training memory is unchanged; backward upcasts again:
