@@ -185,8 +185,11 @@ def _run(
     grad: bool,
 ) -> tuple[Tensor, int, Tensor | None]:
     vocab = head.out_features
-    h2, ids_host, tgt_host = _select(h, targets, mask, vocab)
-    ids, tgt = ids_host.to(h.device), tgt_host.to(h.device)
+    h2, ids, tgt = _select(h, targets, mask, vocab)
+    # the host copies go at once (a meta-device model's peak counts what a CPU run holds),
+    # but the sampled softmax reads the targets on the host
+    tgt_host = tgt if opts.vocab_subset is not None else None
+    ids, tgt = ids.to(h.device), tgt.to(h.device)
     n = ids.numel()
     ct = torch.promote_types(h.dtype, torch.float32)
     if n == 0:
@@ -207,6 +210,7 @@ def _run(
     vchunk = opts.vocab_chunk if opts.vocab_chunk and opts.vocab_chunk < vocab else None
     if opts.vocab_subset is not None:
         trained = hs if rw is None else h2.index_select(0, ids)
+        assert tgt_host is not None
         subset, bias = choose_subset(
             trained, tgt_host, head, opts.vocab_subset, opts.seed, vchunk or vocab
         )
