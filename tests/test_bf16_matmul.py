@@ -165,8 +165,13 @@ def test_add_product_records_what_it_computes_in_place(dtype: torch.dtype) -> No
     y = y0.clone()
     with torch.no_grad():
         out = mm.add_product(y, a, b, 0.7)
-    assert out is y  # in place: no fresh (n, m) result
+    assert out.data_ptr() == y.data_ptr()  # in place: no fresh (n, m) result
     assert torch.equal(out, ref.to(dtype))
+    y3 = y0.clone().view(3, 4, 40)  # leading dimensions: flattened for the GEMM, restored
+    with torch.no_grad():
+        out3 = mm.add_product(y3, a.view(3, 4, 8), b, 0.7)
+    assert out3.shape == (3, 4, 40) and out3.data_ptr() == y3.data_ptr()
+    assert torch.equal(out3.view(12, 40), out)
     yg, ag, bg = (t.clone().requires_grad_() for t in (y0, a, b))
     rec = mm.add_product(yg, ag, bg, 0.7)
     assert torch.equal(rec, out) and rec is not yg

@@ -268,7 +268,5 @@ class Linear(FrozenWeight):
             y = y + self.bias
         if self.lora_A is not None:  # y += s·h Bᵀ in the GEMM, h = x Aᵀ (…, r)
             h = linear(x, self.lora_A)
-            y2 = y.reshape(-1, self.out_features)
-            y = add_product(y2, h.reshape(-1, h.shape[-1]), self.lora_B.t(), self.lora_scale)
-            y = y.view(*x.shape[:-1], self.out_features)
+            y = add_product(y, h, self.lora_B.t(), self.lora_scale)
         return y

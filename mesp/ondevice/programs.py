@@ -145,9 +145,7 @@ def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> T
         y = y + w[f"{ws.prefix}.bias"]
     if ws.lora_scale is not None:
         a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
-        h = F.linear(x, a)
-        y2, h2 = y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1])
-        y = add_product(y2, h2, b.t(), ws.lora_scale).view(y.shape)
+        y = add_product(y, F.linear(x, a), b.t(), ws.lora_scale)
     return y
 
 

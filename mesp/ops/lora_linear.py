@@ -49,9 +49,7 @@ def lora_linear_with_h(
     Everything in x.dtype, as `Linear.forward` computes it."""
     h = linear(x, A.to(x.dtype))
     y = base_linear(x, base, None if bias is None else bias.to(x.dtype))
-    n_out = y.shape[-1]
-    y2 = add_product(y.reshape(-1, n_out), h.reshape(-1, h.shape[-1]), B.to(x.dtype).t(), s)
-    return y2.view(y.shape), h
+    return add_product(y, h, B.to(x.dtype).t(), s), h
 
 
 def lora_linear(

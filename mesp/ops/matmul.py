@@ -127,16 +127,20 @@ def addmm_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
 
 
 def add_product(y: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
-    """y + alpha · a @ b, y (n, m), a (n, k), b (k, m): one GEMM that adds into its output (no
-    (n, m) product or scaled copy, each another pass). y must be a fresh result only the
+    """y + alpha · a @ b, y (..., m), a (..., k), b (k, m): one GEMM that adds into its output
+    (no (…, m) product or scaled copy, each another pass). y must be a fresh result only the
     caller holds: with no gradient recorded it is updated in place; under autograd the result
-    is torch.addmm's (the same bits), so a recorded forward equals an unrecorded one."""
+    is torch.addmm's (the same bits), so a recorded forward equals an unrecorded one. Leading
+    dimensions are flattened for the GEMM and restored on the result."""
+    y2, a2 = y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1])
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y, a, b))
     if not computes_in_fp32(y) or not a.dtype == b.dtype == y.dtype:
-        return torch.addmm(y, a, b, alpha=alpha) if grad else y.addmm_(a, b, alpha=alpha)
-    if grad:
-        return _Fp32Addmm.apply(y, a, b, alpha)
-    return _fp32_mm(a, b, y, alpha, y)
+        r = torch.addmm(y2, a2, b, alpha=alpha) if grad else y2.addmm_(a2, b, alpha=alpha)
+    elif grad:
+        r = _Fp32Addmm.apply(y2, a2, b, alpha)
+    else:
+        r = _fp32_mm(a2, b, y2, alpha, y2)
+    return r.view(y.shape)
 
 
 class _Fp32Addmm(torch.autograd.Function):
