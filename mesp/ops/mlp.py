@@ -13,11 +13,21 @@ from mesp.quant import tracing
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+def _act(gate: Tensor, act: str) -> Tensor:
+    """act(gate), (..., F): silu or tanh-approximated gelu."""
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def _act_backward(d: Tensor, gate: Tensor, act: str) -> Tensor:
+    """d · act'(gate), (..., F): ATen's fused backward of `_act` (what autograd runs for it)."""
+    if act == "silu":
+        return torch.ops.aten.silu_backward(d, gate)
+    return torch.ops.aten.gelu_backward(d, gate, approximate="tanh")
+
+
 def gated_act(gate: Tensor, up: Tensor, act: str) -> Tensor:
     """m = act(gate) · up; gate/up (..., F)."""
-    if act == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    return _act(gate, act) * up
 
 
 def gated_act_backward(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor]:
@@ -34,11 +44,8 @@ def gated_act_backward(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[
         return _written_out(dm, gate, up, act)
     # at most five (…, F) tensors at once: gate, up, dm, then dm·up and d_gate, then d_gate
     # and d_up (written in place over act(gate): a product commutes bit for bit)
-    if act == "silu":
-        d_gate = torch.ops.aten.silu_backward(dm * up, gate)
-        return d_gate, F.silu(gate).mul_(dm)
-    d_gate = torch.ops.aten.gelu_backward(dm * up, gate, approximate="tanh")
-    return d_gate, F.gelu(gate, approximate="tanh").mul_(dm)
+    d_gate = _act_backward(dm * up, gate, act)
+    return d_gate, _act(gate, act).mul_(dm)
 
 
 def _written_out(dm: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor]:
