@@ -37,13 +37,11 @@ from torch import Tensor
 from mesp.errors import MespError
 from mesp.lora import PEFT_PREFIX
 from mesp.models.transformer import CausalLM
+from mesp.ondevice.edge_programs import EdgeSpec, Embed, LossAndGrad
 from mesp.ondevice.programs import (
     BlockBackward,
     BlockForward,
     BlockSpec,
-    EdgeSpec,
-    Embed,
-    LossAndGrad,
     WeightSpec,
     block_forward,
     block_parts,

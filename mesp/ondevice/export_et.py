@@ -23,8 +23,9 @@ from torch import Tensor
 
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
+from mesp.ondevice.edge_programs import EdgeSpec
 from mesp.ondevice.lower import fnv1a64, io_rows, lower
-from mesp.ondevice.programs import BlockSpec, EdgeSpec, block_parts
+from mesp.ondevice.programs import BlockSpec, block_parts
 from mesp.ondevice.steps import (
     ADAMW_SCALARS,
     Flat,

@@ -28,8 +28,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from mesp.ondevice.programs import BlockSpec, EdgeSpec, block_backward, block_forward, embed
-from mesp.ondevice.programs import loss_and_grad as _loss_and_grad
+from mesp.ondevice.edge_programs import EdgeSpec, embed
+from mesp.ondevice.edge_programs import loss_and_grad as _loss_and_grad
+from mesp.ondevice.programs import BlockSpec, block_backward, block_forward
 
 Named = dict[str, Tensor]
 ADAMW_SCALARS = (

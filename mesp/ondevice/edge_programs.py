@@ -1,0 +1,148 @@
+"""The embedding and the loss as pure functions for `torch.export`, beside the block's in
+programs.py: every tensor an argument, only the family's constants baked in (EdgeSpec), and the
+ops of the in-process path (CausalLM.embed, FrozenWeight.gather, mesp.ops.cross_entropy's dense
+and sliced heads) in the same order and dtypes, so an exported step reproduces the engine's bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mesp.ondevice.programs import Tensors, WeightSpec, dense, dequantizer, rows
+from mesp.ops.cross_entropy import _dlogits, _logits
+from mesp.ops.norm import rms_norm, rms_norm_backward
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """The embedding, final norm and head: storage and the family's constants."""
+
+    embed: WeightSpec
+    head: WeightSpec  # == embed when tied
+    dtype: torch.dtype
+    embed_scale: float | None  # Gemma: × √hidden
+    eps: float
+    norm_offset: float
+    softcap: float | None
+    vocab_chunk: int | None  # head slices of this many rows (None: whole head at once)
+    vocab: int
+
+
+def embed(es: EdgeSpec, w: Tensors, ids: Tensor) -> Tensor:
+    """ids (B, S) -> (B, S, hidden), as CausalLM.embed (FrozenWeight.gather); ids are checked
+    by the caller (a data-dependent check cannot be captured)."""
+    p = es.embed.prefix
+    if es.embed.quant is None:
+        h = F.embedding(ids, w[f"{p}.weight"])
+    else:
+        flat = ids.reshape(-1)
+        sel = [w[f"{p}.{k}"].index_select(0, flat) for k in ("weight", "scales", "biases")]
+        h = dequantizer(es.embed)(sel[0], sel[1], sel[2], es.embed.quant, None)
+        h = h.view(*ids.shape, h.shape[-1])
+    h = h.to(es.dtype)
+    if es.embed_scale is not None:
+        h = h * torch.full((), es.embed_scale, dtype=es.dtype)  # an op, not a lifted constant
+    return h
+
+
+def _whole_head(
+    es: EdgeSpec, w: Tensors, hs: Tensor, tgt: Tensor, norm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """cross_entropy._dense_head for one row chunk holding every trained row; the row losses
+    are returned unsummed."""
+    ct = torch.promote_types(hs.dtype, torch.float32)
+    wd = dense(w, es.head, hs.dtype)
+    z, t = _logits(hs, wd, es.softcap, ct)
+    lse = torch.logsumexp(z, -1)
+    loss = lse - z.gather(1, tgt[:, None]).squeeze(1)
+    return loss, _dlogits(z, t, lse, tgt, norm, None).to(wd.dtype) @ wd  # type: ignore[arg-type]
+
+
+def gather(w: Tensors, ws: WeightSpec, ids: Tensor) -> Tensor:
+    """Rows at ids (n,) -> (n, in), as FrozenWeight.gather (ids checked by the caller)."""
+    p = ws.prefix
+    if ws.quant is None:
+        return F.embedding(ids, w[f"{p}.weight"])
+    sel = [w[f"{p}.{k}"].index_select(0, ids) for k in ("weight", "scales", "biases")]
+    return dequantizer(ws)(sel[0], sel[1], sel[2], ws.quant, None)
+
+
+def _sliced_head(
+    es: EdgeSpec, w: Tensors, hs: Tensor, tgt: Tensor, norm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """cross_entropy._sliced_head for one row chunk holding every trained row, op for op: one
+    pass over vocabulary slices with an online logsumexp that also accumulates the softmax-
+    weighted head rows, then dh = (acc/s - c_t·W_t) / norm. Row losses are returned unsummed."""
+    ct = torch.promote_types(hs.dtype, torch.float32)
+    assert es.vocab_chunk is not None
+    m = torch.full((hs.shape[0],), -torch.inf, dtype=ct, device=hs.device)
+    s, tz = torch.zeros_like(m), torch.zeros_like(m)
+    ctg = torch.ones_like(m) if es.softcap else None  # cap'(z) at each row's target
+    acc = torch.zeros(hs.shape, dtype=ct, device=hs.device)
+    for v0 in range(0, es.vocab, es.vocab_chunk):
+        v1 = min(v0 + es.vocab_chunk, es.vocab)
+        ws = rows(w, es.head, v0, v1, hs.dtype).to(hs.dtype)
+        local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
+        z, t = _logits(hs, ws, es.softcap, ct)
+        hit, col = local >= 0, local.clamp(min=0)[:, None]
+        tz = torch.where(hit, z.gather(1, col).squeeze(1), tz)  # before z changes
+        m_new = torch.maximum(m, z.amax(-1))
+        scale = (m - m_new).exp_()
+        e = z.sub_(m_new[:, None]).exp_()
+        s.mul_(scale).add_(e.sum(-1))
+        if ctg is not None:  # cap'(z) = 1 - tanh²
+            c = t.square_().neg_().add_(1.0)
+            ctg = torch.where(hit, c.gather(1, col).squeeze(1), ctg)
+            e.mul_(c)
+        acc.mul_(scale[:, None]).add_(e.to(ws.dtype) @ ws)
+        m.copy_(m_new)
+    lse = m + s.log()
+    loss = lse - tz
+    wt = gather(w, es.head, tgt).to(ct)
+    if ctg is not None:
+        wt.mul_(ctg[:, None])
+    acc.div_(s[:, None]).sub_(wt)
+    acc.div_(norm)
+    return loss, acc.to(hs.dtype)
+
+
+def loss_and_grad(
+    es: EdgeSpec, w: Tensors, h: Tensor, ids: Tensor, tgt: Tensor, norm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Final norm + head + CE. h (B, S, hidden) last block output; ids (n,) flat indices of the
+    trained rows, tgt (n,) their targets; norm: the loss normalizer (0-d, h.dtype).
+    -> (per-row losses (n,) in fp32, d(loss_sum / norm)/dh (B, S, hidden)). The caller sums
+    the rows in fp64, as cross_entropy does (a graph for edge runtimes carries no fp64 op)."""
+    hn = rms_norm(h, w["norm.weight"], es.eps, es.norm_offset)
+    h2 = hn.reshape(-1, hn.shape[-1])
+    hs = h2.index_select(0, ids)
+    if es.vocab_chunk is None:
+        loss, dhs = _whole_head(es, w, hs, tgt, norm)
+    else:
+        loss, dhs = _sliced_head(es, w, hs, tgt, norm)
+    dhn = torch.zeros_like(h2).index_copy_(0, ids, dhs).view(h.shape)
+    return loss, rms_norm_backward(dhn, h, w["norm.weight"], es.eps, es.norm_offset)
+
+
+class Embed(nn.Module):
+    def __init__(self, es: EdgeSpec) -> None:
+        super().__init__()
+        self.es = es
+
+    def forward(self, weights: Tensors, ids: Tensor) -> Tensor:
+        return embed(self.es, weights, ids)
+
+
+class LossAndGrad(nn.Module):
+    def __init__(self, es: EdgeSpec) -> None:
+        super().__init__()
+        self.es = es
+
+    def forward(  # type: ignore[no-untyped-def]
+        self, weights: Tensors, h: Tensor, ids: Tensor, tgt: Tensor, norm: Tensor
+    ):
+        return loss_and_grad(self.es, weights, h, ids, tgt, norm)
