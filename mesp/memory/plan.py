@@ -14,14 +14,8 @@ import torch
 from mesp.config import ModelConfig
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions
-from mesp.memory.model import (
-    ENGINES,
-    predict,
-    predict_sizes,
-    resident_weight_bytes,
-    sizes,
-    weight_totals,
-)
+from mesp.memory.model import ENGINES, predict, predict_sizes, resident_weight_bytes, weight_totals
+from mesp.memory.sizes import sizes
 from mesp.models.transformer import LORA_TARGETS
 from mesp.quant import QuantSpec
 

@@ -1,0 +1,142 @@
+"""The dimensions the memory model's formulas use (`Sizes`, symbols as in mesp.memory.model),
+taken from a model config, and the LoRA adapter's bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mesp.config import SLIDING, ModelConfig
+from mesp.errors import MespError
+from mesp.models import FAMILIES
+from mesp.models.transformer import LORA_TARGETS
+from mesp.ops import native
+from mesp.ops.matmul import WEIGHT_BLOCK_BYTES
+from mesp.quant import DEQUANT_BLOCK, QuantSpec
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every dimension the formulas use (elements), plus byte widths."""
+
+    B: int
+    S: int
+    D: int
+    F: int
+    Q: int
+    K: int
+    H: int
+    L: int
+    V: int
+    r: int
+    e: int  # compute dtype bytes
+    f: int  # fp32-or-wider math bytes
+    quant: QuantSpec | None
+    targets: tuple[str, ...]
+    qk_norm: bool
+    sandwich: bool
+    softcap: bool
+    tables: int  # RoPE cos/sin tables and the sliding-window mask, bytes
+    window_mask: int  # the additive (S, S) mask a windowed flash-attention call builds, bytes
+    torch_unpack: bool = True  # the pure-torch dequantizer (not mesp.ops.native's one sweep)
+    blocked: bool = False  # projections dequantized block by block (fp32 on the native kernel)
+
+    @property
+    def T(self) -> int:
+        return self.B * self.S
+
+    def deq(self, out: int, inp: int, then: int = 0) -> int:
+        """Peak bytes of dequantizing an out×inp weight and then allocating `then` bytes beside
+        it: the weight plus the larger of the 4-bit unpack's scratch (two int16 planes of one
+        row block, see quant.DEQUANT_BLOCK; freed once unpacked; none where the native
+        kernel dequantizes in one sweep) and `then`. A dense base is used in place: `then`."""
+        q = self.quant
+        if q is None or inp % q.group_size:
+            return then
+        block_rows = min(out, max(1, DEQUANT_BLOCK // (inp * self.e)))
+        scratch = 2 * block_rows * inp if q.bits == 4 and self.torch_unpack else 0
+        return out * inp * self.e + max(scratch, then)
+
+    def proj(self, out: int, inp: int, then: int = 0) -> int:
+        """As `deq`, for a block projection's matmul (FrozenWeight.linear / .matmul): where it
+        runs blocked (fp32, native kernel: mesp.ops.matmul.linear_blocks) only one fp32 block
+        of the weight exists beside `then`, never the whole weight."""
+        q = self.quant
+        if not self.blocked or q is None or inp % q.group_size:
+            return self.deq(out, inp, then)
+        step = WEIGHT_BLOCK_BYTES // 4
+        if out >= inp:  # rows of W
+            block = min(out, max(1, step // inp)) * inp
+        else:  # whole groups of W's columns
+            block = out * min(inp, max(q.group_size, step // out // q.group_size * q.group_size))
+        return then + 4 * block
+
+    def lin_in_out(self) -> dict[str, tuple[int, int]]:
+        D, F, Q, K = self.D, self.F, self.Q, self.K
+        return {
+            "q_proj": (D, Q),
+            "k_proj": (D, K),
+            "v_proj": (D, K),
+            "o_proj": (Q, D),
+            "gate_proj": (D, F),
+            "up_proj": (D, F),
+            "down_proj": (F, D),
+        }
+
+
+def sizes(
+    cfg: ModelConfig,
+    seq_len: int,
+    batch: int,
+    rank: int,
+    targets: Sequence[str],
+    quant: QuantSpec | None,
+    dtype: torch.dtype,
+) -> Sizes:
+    for flag, v in (("--seq-len", seq_len), ("--batch-size", batch), ("--rank", rank)):
+        if v <= 0:
+            raise MespError(f"{flag} must be positive, got {v}")
+    spec = FAMILIES[cfg.family]
+    e = torch.tensor([], dtype=dtype).element_size()
+    f = max(e, 4)
+    d, types = cfg.head_dim, set(cfg.layer_types)
+    tables = 2 * len(types) * seq_len * d * e
+    windowed = SLIDING in types and bool(cfg.sliding_window) and cfg.sliding_window < seq_len
+    tables += windowed * seq_len * seq_len  # the bool window mask, kept for the whole step
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    if bad:
+        raise MespError(f"unknown LoRA target(s) {bad}; choose from {list(LORA_TARGETS)}")
+    return Sizes(
+        torch_unpack=dtype not in (torch.float32, torch.bfloat16) or native.library() is None,
+        blocked=dtype == torch.float32 and native.library() is not None,
+        B=batch,
+        S=seq_len,
+        D=cfg.hidden_size,
+        F=cfg.intermediate_size,
+        Q=cfg.num_attention_heads * d,
+        K=cfg.num_key_value_heads * d,
+        H=cfg.num_attention_heads,
+        L=cfg.num_hidden_layers,
+        V=cfg.vocab_size,
+        r=rank,
+        e=e,
+        f=f,
+        quant=quant,
+        targets=tuple(targets),
+        qk_norm=spec.qk_norm,
+        sandwich=spec.sandwich_norms,
+        softcap=bool(cfg.final_logit_softcapping),
+        tables=tables,
+        window_mask=windowed * seq_len * seq_len * e,
+    )
+
+
+def adapter_bytes(s: Sizes) -> int:
+    io = s.lin_in_out()
+    return s.L * sum(s.r * (io[t][0] + io[t][1]) for t in s.targets) * s.e
+
+
+def block_adapter_bytes(s: Sizes) -> int:
+    return adapter_bytes(s) // s.L
