@@ -1,0 +1,192 @@
+"""How a llama.cpp GGUF maps onto HF's model: the architectures read, the tensor names per
+block and family, the HF config built from the GGUF metadata (Llama 3's rope scaling recovered
+from the baked `rope_freqs`), and the converter's tensor edits undone (llama's interleaved
+rotary halves, Gemma's 1 + w norm scales), so a GGUF loads as transformers loads it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mesp.errors import MespError
+
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    **{f"attn_{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkv" for p in ("weight", "bias")},
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **{f"ffn_{x}.weight": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")},
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Gemma 3 has four norms per block; llama.cpp names the pre-MLP one ffn_norm like llama's.
+GEMMA_LAYER = {
+    **LAYER,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_CORE = [
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_norm",
+]
+_QK_NORM = ["attn_q_norm", "attn_k_norm"]
+REQUIRED = {
+    "llama": _CORE,
+    "qwen2": _CORE,
+    "qwen3": _CORE + _QK_NORM,
+    "gemma3": _CORE + _QK_NORM + ["post_attention_norm", "post_ffw_norm"],
+}
+
+
+def shown(name: str) -> str:
+    """A tensor name as an error message shows it: quoted, escaped, at most 64 characters (a
+    corrupt file's name may hold newlines or megabytes, and errors stay one line)."""
+    return repr(name if len(name) <= 64 else name[:64] + "...")
+
+
+def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str) -> dict:
+    def get(key: str, default: Any = ...) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            if default is ...:
+                raise MespError(f"{where}: missing metadata key '{full}'")
+            return default
+        return meta[full]
+
+    if "token_embd.weight" not in infos:
+        raise MespError(f"{where}: missing tensor 'token_embd.weight'")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    # head_dim: explicit key_length (qwen3, gemma3), else rope dims (llama), else hidden/heads.
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+    cfg: dict[str, Any] = {
+        "model_type": ARCHS[arch],
+        "vocab_size": infos["token_embd.weight"].shape[0],  # rows the model actually has
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 1e6 if arch == "gemma3" else 1e4)),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in infos,
+        "attention_bias": "blk.0.attn_q.bias" in infos,
+        "hidden_act": "silu",
+        "rope_scaling": None,
+    }
+    # A corrupt block_count (say 2**27) must fail here, not after listing 2**27 blocks' names.
+    held = {int(b) for b in (n.split(".")[1] for n in infos if n.startswith("blk.")) if b.isdigit()}
+    n = cfg["num_hidden_layers"]
+    first = next((i for i in range(min(n, len(held) + 1)) if i not in held), None)
+    if first is not None:
+        raise MespError(
+            f"{where}: missing tensor 'blk.{first}.{REQUIRED[arch][0]}.weight' (block_count "
+            f"is {n}, the file holds {len(held)} blocks)"
+        )
+    for key, tok_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        cfg[f"{key}_token_id"] = meta.get(f"tokenizer.ggml.{tok_key}_token_id")
+    kind = get("rope.scaling.type", "none")
+    if kind != "none":
+        cfg["rope_scaling"] = {"rope_type": kind, "factor": float(get("rope.scaling.factor"))}
+        if (orig := get("rope.scaling.original_context_length", None)) is not None:
+            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+    if arch == "gemma3":
+        n = cfg["num_hidden_layers"]
+        pattern = get("attention.sliding_window_pattern", 6)  # llama.cpp's built-in default
+        sliding = (
+            [bool(x) for x in pattern]
+            if isinstance(pattern, list)
+            else [(i + 1) % int(pattern) != 0 for i in range(n)]
+        )
+        # llama.cpp: attention scale is 1/sqrt(hidden/heads) for 27B (62 layers), else head_dim.
+        scale = get("attention.scale", None)
+        del cfg["hidden_act"]
+        cfg.update(
+            {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "sliding_window": int(get("attention.sliding_window")),
+                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+                "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+                "query_pre_attn_scalar": (
+                    1.0 / scale**2 if scale else hidden // heads if n == 62 else head_dim
+                ),
+                "final_logit_softcapping": get("final_logit_softcapping", None),
+                "attn_logit_softcapping": get("attn_logit_softcapping", None),
+            }
+        )
+    return cfg
+
+
+def llama3_rope_scaling(factors: np.ndarray, cfg: dict, where: str) -> dict | None:
+    """Recover HF's llama3 rope_scaling from llama.cpp's precomputed `rope_freqs` tensor.
+
+    The converter bakes Meta's llama3 formula into per-frequency divisors. We try Meta's values
+    (low 1, high 4, original 8192: every Llama 3.x), else fit low/high from the smoothly
+    interpolated band, and accept the result only if it reproduces every stored divisor.
+    """
+    dim = cfg["head_dim"]
+    inv_wavelen = 1.0 / cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv_wavelen /= 2 * math.pi
+    factor, orig = float(factors.max()), 8192
+    if factor <= 1.0:
+        return None
+
+    def divisors(low: float, high: float) -> np.ndarray:
+        smooth = np.clip((orig * inv_wavelen - low) / (high - low), 0.0, 1.0)
+        return 1.0 / ((1 - smooth) / factor + smooth)
+
+    low, high = 1.0, 4.0
+    mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if (
+        factors.shape == inv_wavelen.shape
+        and not np.allclose(factors, divisors(low, high), rtol=1e-4)
+        and mid.sum() >= 2
+    ):
+        # smooth = (orig / wavelen - low) / (high - low) is linear in 1 / wavelen.
+        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, icept = np.polyfit(inv_wavelen[mid], smooth, 1)
+        low = float(-icept * orig / slope)
+        high = low + float(orig / slope)
+    if factors.shape != inv_wavelen.shape or not np.allclose(
+        factors, divisors(low, high), rtol=1e-4
+    ):
+        raise MespError(f"{where}: rope_freqs tensor does not match Llama 3 rope scaling")
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": orig,
+    }
+
+
+def undo_converter(name: str, w: np.ndarray, arch: str, cfg: dict, where: str) -> np.ndarray:
+    """Reverse llama.cpp's convert_hf_to_gguf.py edits (see module docstring)."""
+    if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        # LlamaModel.permute interleaves each head's rotary halves for ggml's GPT-J-style rope.
+        n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+        if w.shape[0] % (2 * n):
+            raise MespError(
+                f"{where}: tensor {shown(name)} has {w.shape[0]} rows, not {n} rope heads"
+            )
+        w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        w = w - np.float32(1.0)  # Gemma3Model stores HF's (1 + w) RMSNorm scale; q/k norms too
+    return w
