@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mesp.bench.child import ChildConfig, measure
+from mesp.bench.child import measure
 from mesp.bench.tables import QUICK, TABLES, VARIANTS
+from mesp.bench.variants import ChildConfig
 
 
 def test_budget_variant_keeps_every_tape() -> None:

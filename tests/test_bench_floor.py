@@ -15,10 +15,10 @@ import torch
 
 from mesp.bench import floor as bench_floor
 from mesp.bench import targets as bench_targets
-from mesp.bench.child import ChildConfig, shape_dict
 from mesp.bench.output import write_row
 from mesp.bench.report import section, write_report
 from mesp.bench.tables import VARIANTS, run_config
+from mesp.bench.variants import ChildConfig, shape_dict
 from mesp.config import ModelConfig
 from mesp.memory import rss
 from mesp.ops import matmul as matmul_ops

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mesp.bench.child import ChildConfig
 from mesp.bench.output import pyplot, write_row
+from mesp.bench.variants import ChildConfig
 
 GB = 1e9
 _CHUNKED = {"chunk_rows": 512, "vocab_chunk": 8192}

@@ -98,7 +98,7 @@ def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[st
 
 
 def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
-    from mesp.bench.child import ChildConfig
+    from mesp.bench.variants import ChildConfig
     from mesp.memory.rss import run_child
 
     cc = ChildConfig(

@@ -93,14 +93,14 @@ def run_profile(
     """Time `steps` plain steps, then profile one; one row under OUT/rows/profile/."""
     from torch.profiler import ProfilerActivity, profile
 
-    from mesp.bench.child import ChildConfig, _mesp_setup, _model_config, random_batch
     from mesp.bench.floor import GemmProbe, matmul_floor
+    from mesp.bench.variants import ChildConfig, mesp_setup, model_config, random_batch
 
     c = ChildConfig(variant=engine, engine=engine, shape=shape, dtype=dtype, bits=bits)
-    cfg = _model_config(c)
+    cfg = model_config(c)
     tokens = c.batch * c.seq
     probe = GemmProbe(cfg, tokens, getattr(torch, dtype))
-    step, *_ = _mesp_setup(c, getattr(torch, dtype), random_batch(c))
+    step, *_ = mesp_setup(c, getattr(torch, dtype), random_batch(c))
     for _ in range(warmup):
         step()
     times, rates, plain_faults = [], [], []

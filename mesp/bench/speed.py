@@ -44,9 +44,9 @@ def parse_variant(text: str, dtype: str) -> tuple[str, str]:
 
 def _build(variant: str, dtype: str, shape: str, seq: int, rank: int) -> Callable[[], float]:
     """One variant's training step, set up as table 1's time child sets it up."""
-    from mesp.bench.child import ChildConfig, _mesp_setup, _peft_setup, random_batch
     from mesp.bench.tables import VARIANTS
     from mesp.bench.tracking import Fp32Matmul
+    from mesp.bench.variants import ChildConfig, mesp_setup, peft_setup, random_batch
     from mesp.ops import matmul as matmul_ops
 
     c = ChildConfig(variant=variant, shape=shape, seq=seq, rank=rank, dtype=dtype,
@@ -54,7 +54,7 @@ def _build(variant: str, dtype: str, shape: str, seq: int, rank: int) -> Callabl
     if c.engine in ("mezo",) or c.offload != "none":
         raise MespError(f"speed: {variant} is not timed side by side (disk or zeroth order)")
     tdtype = getattr(torch, dtype)
-    setup = _peft_setup if c.engine == "peft" else _mesp_setup
+    setup = peft_setup if c.engine == "peft" else mesp_setup
     step = setup(c, tdtype, random_batch(c))[0]
     fp32_mm = matmul_ops.computes_in_fp32(torch.empty(0, dtype=tdtype))
     if c.engine != "peft" or not fp32_mm:
@@ -94,15 +94,15 @@ def _run(
     out: Path, shape: str, seq: int, rank: int, dtype: str, variants: tuple[str, ...],
     rounds: int, warmup: int, command: str, matmul: str,
 ) -> Row:  # fmt: skip
-    from mesp.bench.child import ChildConfig, _model_config
     from mesp.bench.floor import GemmProbe, matmul_floor, probe_dtype
+    from mesp.bench.variants import ChildConfig, model_config
     from mesp.ops import matmul as matmul_ops
 
     parsed = [parse_variant(v, dtype) for v in variants]
     names = [f"{v}:{d}" for v, d in parsed]
     if len(set(names)) != len(names):
         raise MespError(f"speed: a variant is named twice in {', '.join(variants)}")
-    cfg = _model_config(ChildConfig(variant="mesp", engine="mesp", shape=shape))
+    cfg = model_config(ChildConfig(variant="mesp", engine="mesp", shape=shape))
     tokens = seq
     # one probe per dtype the GEMMs really run in; each variant's steps use its own
     runs_in = {n: probe_dtype(getattr(torch, d)) for n, (_, d) in zip(names, parsed, strict=True)}

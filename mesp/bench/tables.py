@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mesp.bench.child import ChildConfig
 from mesp.bench.output import write_row
+from mesp.bench.variants import ChildConfig
 from mesp.errors import MespError
 from mesp.memory.rss import run_child
 

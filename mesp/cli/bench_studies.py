@@ -139,7 +139,7 @@ def run_profile(ns: argparse.Namespace) -> int:
     cmd = shlex.join(parts)
 
     def measure() -> list:
-        from mesp.bench.child import shape_dict
+        from mesp.bench.variants import shape_dict
 
         rows = []
         for shape in shapes:
