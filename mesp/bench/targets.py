@@ -244,7 +244,8 @@ def _bounds(shape: str, r: Row, fp: Row | None, peft: Row | None) -> list[str]:
             f"- {shape}, speed vs peft+gc: mesp on the 4-bit base dequantizes every weight three "
             f"times a step (forward, recompute, backward), where peft+gc multiplies by its {base} "
             f"weights directly; on the same {base} base mesp runs at "
-            f"{secs(peft) / secs(fp):.2f}x peft+gc's tokens/s."  # type: ignore[operator]
+            f"{secs(peft) / secs(fp):.2f}x peft+gc's tokens/s in table 1's time children "
+            "(separate processes, minutes apart; the side-by-side ratio is the targets row)."  # type: ignore[operator]
         )
     return out
 
