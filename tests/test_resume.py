@@ -1,5 +1,6 @@
 """Crash safety: SIGKILL at random steps + --resume gives the bit-identical adapter of an
-uninterrupted run; SIGTERM/SIGINT finish the step, save and exit 143/130.
+uninterrupted run; SIGTERM/SIGINT finish the step, save and exit 143/130, also when they arrive
+during the final validation and save.
 
 The SIGKILL runs save every SAVE_EVERY steps and are killed between save points, so each resume
 goes back to the last save and replays the steps the killed process had done but not saved."""
@@ -114,6 +115,8 @@ def test_signal_saves_and_exits(
     out = tmp_path / "run"
     argv = _argv(model, data, out, "mesp")
     argv[argv.index("--save-every") + 1] = "1000"  # only the signal makes it save
+    # enough steps that the signal always lands mid-run (10 can all finish before it arrives)
+    argv[argv.index("--steps") + 1] = "1000"
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while _steps_done(out) < 2 and p.poll() is None:
         time.sleep(0.05)
@@ -229,3 +232,45 @@ def test_runs_saved_before_train_on_existed_still_resume() -> None:
 
     assert "train_on" not in fp(DataConfig())["data"]
     assert fp(DataConfig(train_on="all-assistant"))["data"]["train_on"] == "all-assistant"
+
+
+# `mesp train` that sends itself SIGINT from inside the validation after the last step: the
+# moment after the step loop, where the final validation and save used to run unguarded.
+SIGNAL_IN_LAST_VALIDATION = """
+import os, signal, sys
+import mesp.training.loop
+steps, evaluate = int(os.environ["MESP_TEST_STEPS"]), mesp.training.loop.evaluate
+def last_validation(*a, **kw):
+    out = evaluate(*a, **kw)
+    if os.environ.get("MESP_TEST_DONE") == "1":
+        os.kill(os.getpid(), signal.SIGINT)
+    return out
+lr_factor = mesp.training.loop.lr_factor
+def at_step(done, *a, **kw):
+    if done == steps - 1:  # the last step begins: the next validation is the final one
+        os.environ["MESP_TEST_DONE"] = "1"
+    return lr_factor(done, *a, **kw)
+mesp.training.loop.evaluate, mesp.training.loop.lr_factor = last_validation, at_step
+from mesp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_signal_during_the_last_validation_still_saves(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """SIGINT while the final validation runs: it and the final save complete, the message says
+    the run is complete and where it is saved, exit 130, no traceback."""
+    model, data = setup
+    out = tmp_path / "run"
+    argv = _argv(model, data, out, "mesp")
+    argv[argv.index("--save-every") + 1] = "1000"  # only the final save writes the adapter
+    argv[argv.index("--eval-every") + 1] = "1000"  # the final validation is the only one
+    argv = [sys.executable, "-c", SIGNAL_IN_LAST_VALIDATION, *argv[3:]]
+    env = {**os.environ, "MESP_TEST_STEPS": str(STEPS)}
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 130, r.stderr
+    assert "run is complete" in r.stderr and str(out) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert _saved_step(out) == STEPS
+    assert (out / "adapter_model.safetensors").exists()

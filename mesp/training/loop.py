@@ -219,11 +219,18 @@ def train(
                     f"state saved in {out_dir} (resume: mesp train "
                     f"--resume {out_dir})",
                 )
-    if bar is not None:
-        bar.close()
-    if not st.valid or st.valid[-1]["step"] != cfg.steps:
-        validate(cfg.steps)
-    checkpoint()
+        if bar is not None:
+            bar.close()
+        # still under the flag: a signal during the last validation or save lets both finish
+        if not st.valid or st.valid[-1]["step"] != cfg.steps:
+            validate(cfg.steps)
+        checkpoint()
+        if stop.signum:
+            raise Interrupted(
+                128 + stop.signum,
+                f"interrupted after the last step ({cfg.steps}); the run is complete, its "
+                f"adapter and training state saved in {out_dir}",
+            )
     if log_f is not None:
         log_f.close()
         plot_losses(out_dir / "loss.png", st.losses, st.valid)
