@@ -25,7 +25,7 @@ from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ondevice.edge_programs import EdgeSpec
 from mesp.ondevice.lower import fnv1a64, io_rows, lower
-from mesp.ondevice.programs import BlockSpec, block_parts
+from mesp.ondevice.programs import BlockSpec, block_parts, example_hidden
 from mesp.ondevice.steps import (
     ADAMW_SCALARS,
     Flat,
@@ -112,8 +112,7 @@ def export_executorch(
     if model.dtype != torch.float32:
         raise MespError("--target executorch exports float32 programs: load with --dtype float32")
     S, B, hid = seq_len, batch_size, model.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(B, S, hid, generator=g) * 0.5).to(model.dtype)
+    x, g = example_hidden(model, B, S)
     progs = _Programs(writer, delegate)
     max_lora = 1
     for (bs, ltype, *_), (gid, i) in groups.items():

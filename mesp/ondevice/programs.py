@@ -133,6 +133,14 @@ def block_parts(block: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, Te
     return frozen_tensors(block), lora
 
 
+def example_hidden(model: CausalLM, batch: int, seq: int) -> tuple[Tensor, torch.Generator]:
+    """The block input (B, S, hidden) every export traces its programs with, and the seeded
+    generator it came from (for further example inputs)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, seq, model.config.hidden_size, generator=g) * 0.5
+    return x.to(model.dtype), g
+
+
 # ---- the block forward: Block.forward / Attention.forward / MLP.forward, tensors as arguments ----
 
 

@@ -13,7 +13,13 @@ from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ondevice.artifact_files import Writer
 from mesp.ondevice.edge_programs import EdgeSpec, Embed, LossAndGrad
-from mesp.ondevice.programs import BlockBackward, BlockForward, block_forward, block_parts
+from mesp.ondevice.programs import (
+    BlockBackward,
+    BlockForward,
+    block_forward,
+    block_parts,
+    example_hidden,
+)
 
 
 def export_program(module: torch.nn.Module, args: tuple, dynamic: Any = None) -> Any:
@@ -54,9 +60,8 @@ def export_functions(
     writer: Writer,
     eid: str,
 ) -> dict[str, Any]:
-    S, B, hid = seq_len, batch_size, model.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(B, S, hid, generator=g) * 0.5).to(model.dtype)
+    S, B = seq_len, batch_size
+    x, _ = example_hidden(model, B, S)
     fns: dict[str, Any] = {"blocks": {}}
     for (bs, ltype, *_), (gid, i) in groups.items():
         w, lora = block_parts(model.layers[i])
