@@ -116,6 +116,14 @@ def byte_level_kvs(tok: Tokenizer, n_rows: int, where: str) -> list[KV]:
         else:
             types.append(TokenType.USER_DEFINED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    if not merges:
+        # llama.cpp refuses a "gpt2" vocabulary without tokenizer.ggml.merges ("cannot find
+        # tokenizer merges in model file"), and GGUF writers store no empty array: refuse here.
+        # (convert_hf_to_gguf.py leaves the key out with a warning; the file does not load.)
+        raise MespError(
+            f"{where}: tokenizer.json has no BPE merges, and llama.cpp cannot load a byte-level "
+            "GGUF vocabulary without them; merge to a directory (--out DIR) instead"
+        )
     out = [
         KV("tokenizer.ggml.model", "gpt2", VT.STRING),
         KV("tokenizer.ggml.pre", pre, VT.STRING),
