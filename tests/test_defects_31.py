@@ -3,12 +3,18 @@ the wrong thing silently, or left something behind."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from mesp.cli import main
+from mesp.data import DataConfig, load_jsonl, load_splits
+from mesp.errors import MespError
+from mesp.loading.tokenizer import Tokenizer as MespTokenizer
 from tests.test_gguf_export import _base, _fails
+from tests.tiny_dir import make_model_dir, make_tokenizer, train_argv
 
 
 def test_merge_to_gguf_without_bpe_merges_is_one_line(
@@ -27,3 +33,44 @@ def test_merge_to_gguf_without_bpe_merges_is_one_line(
     argv = ["merge", "--model", str(base), "--adapter", str(tmp_path / "ad")]
     _fails([*argv, "--out", str(tmp_path / "m.gguf")], capsys, "no BPE merges", "--out DIR")
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("flag", [["--train-on", "all-assistant"], ["--mask-prompt"]])
+def test_reply_only_flags_refuse_text_rows_naming_the_row(
+    flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--train-on all-assistant / --mask-prompt train only replies: on a {"text"} row they
+    trained every token and said nothing; now one line names FILE:LINE."""
+    model = make_model_dir(tmp_path / "m", "qwen2")
+    data = tmp_path / "t.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "completion": " a"}) + "\n"
+                    + json.dumps({"text": "To be, or not to be"}) + "\n")  # fmt: skip
+    capsys.readouterr()
+    assert main(train_argv(model, data, tmp_path / "ad", *flag, steps=1, seq_len=32)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mesp: error: {data}:2: {flag[0]}") and err.count("\n") == 1, err
+    assert '{"text"} row' in err and not (tmp_path / "ad" / "adapter_model.safetensors").exists()
+
+
+def test_reply_only_flags_keep_rows_that_have_replies_or_their_own_mask(tmp_path: Path) -> None:
+    """prompt/completion rows mask their prompt; pre-tokenized rows with a loss_mask keep it;
+    one without a loss_mask, and plain .txt data, are refused like text rows."""
+    tok = MespTokenizer(backend=make_tokenizer(), eos_id=4)
+    rows = tmp_path / "ok.jsonl"
+    lines = [
+        {"prompt": "To be", "completion": " or not"},
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 0, 1]},
+    ]
+    rows.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    for kw in ({"mask_prompt": True}, {"train_on": "all-assistant"}):
+        pc, ids = load_jsonl(rows, tok, 64, **kw)  # type: ignore[arg-type]
+        assert 0 < pc.n_targets < len(pc.ids) - 1 and ids.mask == [0, 0, 1]
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+    with pytest.raises(MespError, match=f'{bare}:1: --mask-prompt .* without "loss_mask"'):
+        load_jsonl(bare, None, 64, mask_prompt=True, vocab_size=300)
+    txt = tmp_path / "play.txt"
+    txt.write_text("To be, or not to be, that is the question.\n" * 20)
+    cfg = DataConfig(path=str(txt), train_on="last-assistant")
+    with pytest.raises(MespError, match=f"{txt}: --train-on last-assistant .* plain text"):
+        load_splits(cfg, tok)

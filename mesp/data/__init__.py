@@ -1,7 +1,8 @@
 """Training data: mlx-lm style jsonl, plain text, or Shakespeare, turned into `Example`s.
 
 Row formats (one JSON object per line, as mlx-lm's `lora` reads them):
-  {"text": ...}                     every token after the first is trained; EOS appended
+  {"text": ...}                     every token after the first is trained; EOS appended (with
+                                    --mask-prompt / --train-on *-assistant: refused, no reply)
   {"prompt": ..., "completion": ...} prompt + completion + EOS; --mask-prompt trains only the
                                     completion and EOS
   {"messages": [{role, content}]}   rendered with the chat template; --mask-prompt trains only

@@ -15,7 +15,14 @@ from typing import Any
 from mesp.batch import Example
 from mesp.data.batches import chunk_examples
 from mesp.data.config import DataConfig
-from mesp.data.rows import NO_TOKENIZER, all_trained, one_line, parse_row, row_bos
+from mesp.data.rows import (
+    NO_TOKENIZER,
+    all_trained,
+    no_replies,
+    one_line,
+    parse_row,
+    row_bos,
+)
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer
 
@@ -210,6 +217,12 @@ def _need(tok: Tokenizer | None, what: str) -> Tokenizer:
     return tok
 
 
+def _plain_text(what: str, cfg: DataConfig) -> None:
+    """Plain text has no replies: a flag that trains only replies would train every token."""
+    if cfg.mask_prompt or cfg.train_on != "all":
+        raise no_replies(what, "plain text", cfg.mask_prompt, cfg.train_on)
+
+
 def load_splits(
     cfg: DataConfig,
     tokenizer: Tokenizer | None,
@@ -221,6 +234,7 @@ def load_splits(
     Pre-tokenized jsonl rows need no tokenizer (None); text does."""
     cfg.validate()
     if cfg.path is None:
+        _plain_text("the built-in Shakespeare set (no --data)", cfg)
         tok = _need(tokenizer, "the built-in Shakespeare set (no --data)")
         splits = default_dataset(tok, cfg.seq_len)
     else:
@@ -266,6 +280,7 @@ def _load_path(
         raise MespError(
             f"{p}: expected a .jsonl or .txt file, or a directory with train.jsonl or .txt files"
         )
+    _plain_text(f"{txts[0]}", cfg)
     text_tok = _need(tok, f"{txts[0]}")
     chunks = chunk_examples(load_text_files(txts, text_tok), cfg.seq_len, row_bos(text_tok))
     train, valid = split_off_valid(chunks, cfg.valid_fraction, str(p))

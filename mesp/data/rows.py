@@ -206,6 +206,18 @@ def parse_row(
         raise MespError(f"{where}: row is a JSON {_json_type(row)}, not an object; {FORMATS}")
     if train_on not in TRAIN_ON:
         raise MespError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    masked = "last-assistant" if mask_prompt else train_on
+    if masked != "all" and "messages" not in row and not ("prompt" in row and "completion" in row):
+        # no reply to pick out: the flag would silently train every token
+        what = (
+            'a {"text"} row'
+            if "text" in row
+            else 'an {"input_ids"} row without "loss_mask"'
+            if "input_ids" in row and "loss_mask" not in row
+            else None
+        )
+        if what is not None:
+            raise no_replies(where, what, mask_prompt, train_on)
     if tok is None:
         if "messages" in row or "text" in row or ("prompt" in row and "completion" in row):
             raise MespError(f"{where}: this row {NO_TOKENIZER}")
@@ -214,7 +226,7 @@ def parse_row(
                 raise ValueError("parse_row needs a tokenizer or the model's vocab_size")
             return _pretokenized(row, vocab_size, where)
         return _unknown(row, where)
-    train_on = "last-assistant" if mask_prompt else train_on
+    train_on = masked
     eos = [tok.eos_id] if tok.eos_id is not None else []
     if "messages" in row:
         return _chat(row, tok, train_on, where)
@@ -238,6 +250,16 @@ def parse_row(
     if "input_ids" in row:
         return _pretokenized(row, tok.vocab_size if vocab_size is None else vocab_size, where)
     return _unknown(row, where)
+
+
+def no_replies(where: str, what: str, mask_prompt: bool, train_on: str) -> MespError:
+    """--mask-prompt / --train-on *-assistant on data with no prompt or reply to tell apart."""
+    flag = "--mask-prompt" if mask_prompt else f"--train-on {train_on}"
+    return MespError(
+        f"{where}: {flag} trains only replies (a completion, assistant messages) and {what} "
+        'has none; use {"messages"} or {"prompt", "completion"} rows, or drop the flag to train '
+        "every token"
+    )
 
 
 def _unknown(row: dict[str, Any], where: str) -> Example:
