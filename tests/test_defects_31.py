@@ -4,6 +4,8 @@ the wrong thing silently, or left something behind."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from mesp.cli import main
 from mesp.data import DataConfig, load_jsonl, load_splits
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer as MespTokenizer
+from mesp.ondevice.export import ExportOptions, export_model
+from tests.engine_cases import model_with_adapter
 from tests.test_gguf_export import _base, _fails
 from tests.tiny_dir import make_model_dir, make_tokenizer, train_argv
 
@@ -74,3 +78,19 @@ def test_reply_only_flags_keep_rows_that_have_replies_or_their_own_mask(tmp_path
     cfg = DataConfig(path=str(txt), train_on="last-assistant")
     with pytest.raises(MespError, match=f"{txt}: --train-on last-assistant .* plain text"):
         load_splits(cfg, tok)
+
+
+def test_export_directory_and_files_get_the_umask_mode(tmp_path: Path) -> None:
+    """`mesp export` builds its directory with mkdtemp (0700) and safetensors writes 0600: the
+    artifacts were unreadable to every other user. Now 0777 / 0666 less the umask."""
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "art"
+        export_model(model_with_adapter("qwen2"), out, ExportOptions(seq_len=8))
+    finally:
+        os.umask(old)
+    paths = [out, *out.rglob("*")]
+    assert any(p.suffix == ".safetensors" for p in paths)
+    for p in paths:
+        want = 0o755 if p.is_dir() else 0o644
+        assert stat.S_IMODE(p.stat().st_mode) == want, p

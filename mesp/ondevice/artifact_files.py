@@ -5,6 +5,7 @@ in a temporary sibling and renames it into place only once everything is written
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -62,6 +63,12 @@ class Writer:
         return p
 
     def commit(self) -> None:
+        # mkdtemp makes the directory 0700 and safetensors its files 0600: give everything the
+        # mode a plain mkdir / open would, so other users and servers can read the artifacts
+        mask = os.umask(0)
+        os.umask(mask)
+        for p in [self.tmp, *self.tmp.rglob("*")]:
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
         if self.out.exists():
             self.out.rmdir()  # empty, checked above
         self.tmp.rename(self.out)
