@@ -9,7 +9,9 @@ What the converter does, and so what we do (mesp/loading/gguf.py undoes each on 
 - Llama 3 rope scaling becomes a `rope_freqs.weight` tensor of per-frequency divisors
   (`LlamaModel.generate_extra_tensors`);
 - 1-D tensors and norms stay F32; 2-D ones take the chosen type, and a row length that the
-  block size does not divide falls back to F16 (the converter's fallback).
+  block size does not divide falls back to F16 (the converter's fallback);
+- the k-quant types (q4_k_m, q5_k_m, q6_k) are what llama-quantize would make of that file:
+  its per-tensor type mix and shape fallbacks (gguf_mix), its block quantizers (gguf_kquant).
 The file is streamed: every tensor's name, shape and type (so its byte size) follow from its
 shape alone, so the header, keys and tensor infos are written first, then each tensor is made
 (merged, permuted, quantized) right before its bytes are written and dropped after: the peak is
@@ -32,6 +34,7 @@ from gguf import LlamaFileType as FT
 
 from mesp.atomic_io import atomic_write
 from mesp.config import FULL, SLIDING, ModelConfig
+from mesp.convert.gguf_mix import MIXES, mix_type, quantize
 from mesp.convert.gguf_spm import KV
 from mesp.errors import MespError
 
@@ -42,6 +45,7 @@ GGUF_TYPES = {
     "bf16": (QT.BF16, FT.MOSTLY_BF16),
     "q8_0": (QT.Q8_0, FT.MOSTLY_Q8_0),
     "q4_0": (QT.Q4_0, FT.MOSTLY_Q4_0),
+    **MIXES,  # a mix: the file type's own tensor type, others per tensor (gguf_mix)
 }
 # the default per --dtype: the merged model's own precision
 DEFAULT_TYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -166,15 +170,19 @@ def write_model_gguf(
     if cfg.tie_word_embeddings:  # llama.cpp reuses token_embd when output.weight is absent
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     names = gguf_names(cfg, tensors)
+    tied = "output.weight" not in names.values()  # llama.cpp's test for tied embeddings
     # (gguf name, shape, type, maker of the stored array), in file order
     plan: list[tuple[str, tuple[int, ...], QT, Callable[[], np.ndarray]]] = []
     for hf_name, (shape, make) in tensors.items():
         gname = names[hf_name]
-        qtype = storage_type(gname, tuple(shape), want)
+        if gguf_type in MIXES:
+            qtype = mix_type(gname, tuple(shape), gguf_type, cfg.num_hidden_layers, tied)
+        else:
+            qtype = storage_type(gname, tuple(shape), want)
 
         def stored(gname: str = gname, make: Make = make, qtype: QT = qtype) -> np.ndarray:
             w32 = to_llama_cpp(gname, make().detach().float().cpu().numpy(), cfg)
-            return gguf.quants.quantize(w32, qtype)  # F32: w32 itself, no copy
+            return quantize(w32, qtype)
 
         plan.append((gname, tuple(shape), qtype, stored))
     freqs = llama3_rope_freqs(cfg)

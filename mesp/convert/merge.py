@@ -142,8 +142,9 @@ class MergeOptions:
     gguf_type: str = field(
         default="",
         metadata={
-            "help": "tensor type of a .gguf --out: f32, f16, bf16, q8_0 or q4_0 "
-            "(default: f32/f16/bf16 as --dtype; norms and biases are always f32)",
+            "help": "tensor type of a .gguf --out: f32, f16, bf16, q8_0, q4_0, or llama.cpp's "
+            "k-quant mixes q4_k_m, q5_k_m, q6_k (default: f32/f16/bf16 as --dtype; norms and "
+            "biases are always f32)",
             "metavar": "TYPE",
         },
     )

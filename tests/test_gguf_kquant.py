@@ -1,0 +1,282 @@
+"""k-quant GGUF export: mesp's Q4_K / Q5_K / Q6_K block quantizers, decoded by gguf-py (whose
+own `quantize` has none of the three, so its `dequantize` is the independent reader), and
+`mesp merge --gguf-type q4_k_m|q5_k_m|q6_k` with llama-quantize's per-tensor type mix.
+
+The error bounds, relative RMS error for N(0, s^2) weights: rounding to a grid of step h errs by
+h/sqrt(12) on average. Q4_K fits each 32-weight sub-block's range, about 4.14 s (twice the
+expected maximum of 32 normals), with 15 steps: 0.080 s; Q5_K with 31 steps: 0.0385 s; Q6_K maps
+each 16-weight sub-block's largest |x| (about 2.07 s) to 32 steps: 0.0187 s. The fitted grids do
+better than these first guesses (measured: 0.072, 0.036, 0.0178), so they are the bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from mesp.convert.gguf_kquant import _affine_fit, _symmetric_scales, quantize_k
+from mesp.convert.gguf_mix import mix_type, use_more_bits
+from tests.test_gguf_export import _base, _fails, _merge, _transformers_logits
+
+BOUND = {QT.Q4_K: 0.080, QT.Q5_K: 0.0385, QT.Q6_K: 0.0187}
+KTYPES = tuple(BOUND)
+
+
+def _rel_rms(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+
+
+def _roundtrip(w: np.ndarray, qt: QT) -> np.ndarray:
+    data = quantize_k(w, qt)
+    rows, cols = w.shape
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    assert data.dtype == np.uint8 and data.shape == (rows, cols // block * size)
+    return gguf.quants.dequantize(data, qt).reshape(w.shape)
+
+
+@pytest.mark.parametrize("qt", KTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(64, 256), (32, 512), (16, 1024)])
+def test_random_weights_decode_within_the_types_bound(qt: QT, shape: tuple[int, int]) -> None:
+    w = np.random.default_rng(1).standard_normal(shape).astype(np.float32) * 0.02
+    assert _rel_rms(_roundtrip(w, qt), w) < BOUND[qt]
+
+
+@pytest.mark.parametrize("qt", KTYPES, ids=lambda q: q.name)
+def test_llama_cpp_acceptance_data(qt: QT) -> None:
+    """llama.cpp's test-quantize-fns: 4096 values 0.1 + 2 cos(i), error sqrt(sum d^2) / n
+    under 0.002 for every one of these types."""
+    x = (0.1 + 2 * np.cos(np.arange(4096, dtype=np.float32))).astype(np.float32)[None]
+    err = math.sqrt(float(np.sum((_roundtrip(x, qt) - x).astype(np.float64) ** 2))) / x.size
+    assert err < 0.002
+
+
+@pytest.mark.parametrize("qt", KTYPES, ids=lambda q: q.name)
+def test_zero_blocks_outliers_and_constant_sub_blocks(qt: QT) -> None:
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 512)).astype(np.float32) * 0.02
+    w[0, :256] = 0  # a whole super-block
+    w[1, 32:64] = 0  # a sub-block (and, for Q6_K, two) inside a live one
+    w[2, 64:96] = -0.01  # a constant negative sub-block
+    w[3, 300] = 1.0  # a 50-sigma outlier in the second super-block
+    back = _roundtrip(w, qt)
+    data = quantize_k(w, qt)
+    assert not data[0, : gguf.GGML_QUANT_SIZES[qt][1]].any()  # all zero bytes, as llama.cpp's
+    assert not back[0, :256].any() and not back[1, 32:64].any()
+    # the constant: Q4_K/Q5_K store it as the sub-block's min, a 6-bit multiple of dmin (the
+    # largest min / 63), Q6_K as its scale, an 8-bit multiple of the largest / 128, times -32:
+    # either way within half a step of a grid of the super-block's largest |x| / 63
+    peak = np.abs(w[2, :256]).max()
+    np.testing.assert_allclose(back[2, 64:96], -0.01, rtol=0, atol=peak / 126)
+    step = 1.0 / (15 if qt == QT.Q4_K else 31 if qt == QT.Q5_K else 32)
+    assert abs(back[3, 300] - 1.0) <= step  # within a step of its own grid
+    live = np.ones_like(w, bool)
+    live[0, :256] = live[1, 32:64] = live[2, 64:96] = False
+    live[3, 256:] = False  # the outlier's super-block pays for it: coarser sub-block scales
+    assert _rel_rms(back[live], w[live]) < BOUND[qt] * 1.05
+
+
+F32 = np.float32
+
+
+def _scalar_affine(
+    x: list[float], nmax: int, rmin: float, nstep: int
+) -> tuple[float, float, float]:
+    """The sub-block fit of Q4_K/Q5_K written out one weight at a time (module docstring of
+    gguf_kquant): what is rounded in float32 as in C, the sums in float64."""
+    xs = [F32(v) for v in x]
+    av = math.sqrt(sum(float(v) ** 2 for v in xs) / len(xs))
+    w = [av + abs(float(v)) for v in xs]
+    lo, hi = min(min(xs), F32(0)), max(xs)
+    if hi == lo:
+        return 0.0, -float(lo), 0.0
+    inv = F32(nmax) / (hi - lo)
+    scale, mn = 1 / float(inv), lo
+
+    def codes(inv: np.float32, mn: np.float32) -> list[int]:
+        return [min(max(round(inv * (v - mn)), 0), nmax) for v in xs]
+
+    def error(s: float, m: float, ls: list[int]) -> float:
+        return sum(wi * (s * q + m - float(v)) ** 2 for wi, q, v in zip(w, ls, xs, strict=True))
+
+    best = error(scale, float(lo), codes(inv, lo))
+    sw, sx = sum(w), sum(wi * float(v) for wi, v in zip(w, xs, strict=True))
+    for i in range(nstep + 1):
+        la = codes(F32(F32(F32(rmin) + F32(0.1) * F32(i)) + F32(nmax)) / (hi - mn), mn)
+        sl = sum(wi * q for wi, q in zip(w, la, strict=True))
+        sl2 = sum(wi * q * q for wi, q in zip(w, la, strict=True))
+        sxl = sum(wi * q * float(v) for wi, q, v in zip(w, la, xs, strict=True))
+        det = sw * sl2 - sl * sl
+        if det <= 0:
+            continue
+        s, m = (sw * sxl - sx * sl) / det, (sl2 * sx - sl * sxl) / det
+        if m > 0:
+            s, m = sxl / sl2, 0.0
+        err = error(s, m, la)
+        if err < best:
+            best, scale, mn = err, s, F32(m)
+    return scale, -float(mn), best
+
+
+def _scalar_symmetric(x: list[float]) -> float:
+    """Q6_K's sub-block scale one weight at a time (nmax 32, weights x^2), rounded in float32."""
+    xs = [F32(v) for v in x]
+    peak = max(xs, key=abs)  # the first largest |x|
+    if abs(peak) < 1e-15:
+        return 0.0
+
+    def fit(inv: np.float32) -> tuple[float, float]:
+        ls = [min(max(round(inv * v), -32), 31) for v in xs]
+        return (
+            sum(float(v) ** 3 * q for v, q in zip(xs, ls, strict=True)),
+            sum(float(v) ** 2 * q * q for v, q in zip(xs, ls, strict=True)),
+        )
+
+    slx, sl2 = fit(F32(-32) / peak)
+    scale = slx / sl2 if sl2 else 0.0
+    best = scale * slx
+    for i in (*range(-9, 0), *range(1, 10)):
+        slx, sl2 = fit(-F32(F32(32) + F32(0.1) * F32(i)) / peak)
+        if sl2 > 0 and slx * slx > best * sl2:
+            scale = slx / sl2
+            best = scale * slx
+    return scale
+
+
+def _sub_blocks(n: int, size: int) -> np.ndarray:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, size)).astype(np.float32)
+    x[: n // 4] += 3  # all positive: the min is clamped to 0
+    x[n // 4 : n // 2] = np.abs(x[n // 4 : n // 2]) - 4  # all negative
+    x[-1] = -0.5  # constant
+    return x
+
+
+def test_affine_fit_is_the_sequential_search() -> None:
+    for nmax, rmin, nstep in ((15, -1.0, 20), (31, -0.5, 15)):
+        x = _sub_blocks(96, 32)
+        scale, negmin, _ = _affine_fit(x, nmax, rmin, 0.1, nstep)
+        want = np.array([_scalar_affine(r.tolist(), nmax, rmin, nstep) for r in x])
+        # float32 against float64 sums: equal but where two fits' errors tie to rounding
+        close = np.isclose(scale, want[:, 0], rtol=1e-4)
+        close &= np.isclose(negmin, want[:, 1], rtol=1e-4, atol=1e-5)
+        assert close.mean() >= 0.95, np.flatnonzero(~close)
+
+
+def test_symmetric_fit_is_the_sequential_search() -> None:
+    x = _sub_blocks(192, 16)
+    x[0] = 0
+    scale, codes = _symmetric_scales(x)
+    want = np.array([_scalar_symmetric(r.tolist()) for r in x])
+    close = np.isclose(scale, want, rtol=1e-4, atol=1e-12)
+    assert close.mean() >= 0.95 and close[0] and not codes[0].any()
+
+
+def test_type_mix_follows_llama_quantize() -> None:
+    # llama.cpp's layers with more bits, for 8 layers: the first and last eighth, every third
+    assert [use_more_bits(i, 8) for i in range(8)] == [1, 0, 0, 1, 0, 0, 1, 1]
+    cases = [  # (name, HF shape (rows, cols), mix, tied, type)
+        ("blk.1.attn_q.weight", (512, 512), "q4_k_m", False, QT.Q4_K),
+        ("blk.0.attn_v.weight", (256, 512), "q4_k_m", False, QT.Q6_K),
+        ("blk.1.attn_v.weight", (256, 512), "q4_k_m", False, QT.Q4_K),
+        ("blk.3.ffn_down.weight", (512, 1024), "q5_k_m", False, QT.Q6_K),
+        ("blk.4.ffn_down.weight", (512, 1024), "q5_k_m", False, QT.Q5_K),
+        ("blk.0.ffn_down.weight", (512, 1024), "q6_k", False, QT.Q6_K),
+        ("output.weight", (300, 512), "q4_k_m", False, QT.Q6_K),
+        ("output.weight", (300, 576), "q4_k_m", False, QT.Q8_0),  # 576 % 256: Q8_0
+        ("token_embd.weight", (300, 512), "q4_k_m", False, QT.Q4_K),  # untied: the default
+        ("token_embd.weight", (300, 512), "q5_k_m", True, QT.Q6_K),  # tied: as output
+        ("token_embd.weight", (300, 576), "q5_k_m", True, QT.Q8_0),
+        # the fallback when 256 does not divide the row: Q5_0, Q5_1, Q8_0, then F16
+        ("blk.1.attn_q.weight", (576, 576), "q4_k_m", False, QT.Q5_0),
+        ("blk.1.attn_q.weight", (576, 576), "q5_k_m", False, QT.Q5_1),
+        ("blk.1.attn_q.weight", (576, 576), "q6_k", False, QT.Q8_0),
+        ("blk.0.attn_v.weight", (576, 576), "q4_k_m", False, QT.Q8_0),  # Q6_K's fallback
+        ("blk.1.attn_q.weight", (72, 72), "q4_k_m", False, QT.F16),
+        ("output.weight", (300, 72), "q6_k", False, QT.F16),
+        ("blk.1.attn_norm.weight", (512,), "q4_k_m", False, QT.F32),
+        ("blk.1.attn_q.bias", (512,), "q4_k_m", False, QT.F32),
+    ]
+    for name, shape, mix, tied, want in cases:
+        assert mix_type(name, shape, mix, 8, tied) == want, (name, shape, mix)
+
+
+K256 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+K256 |= {"head_dim": 64, "intermediate_size": 512, "num_hidden_layers": 3}
+
+
+def _decoded(path: Path) -> dict[str, tuple[QT, np.ndarray]]:
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        shape = tuple(reversed([int(n) for n in t.shape]))
+        out[t.name] = (t.tensor_type, gguf.quants.dequantize(np.array(t.data), t.tensor_type))
+        out[t.name] = (out[t.name][0], out[t.name][1].reshape(shape))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "mix", "more"),
+    [  # more: the tensors that differ from the mix's own type (3 layers: layer 2 gets more bits)
+        ("llama", "q4_k_m", {"blk.2.attn_v.weight", "blk.2.ffn_down.weight", "output.weight"}),
+        ("qwen2", "q5_k_m", {"blk.2.attn_v.weight", "blk.2.ffn_down.weight", "token_embd.weight"}),
+        ("qwen2", "q6_k", set()),
+    ],
+)
+def test_k_quant_merge_reads_in_transformers(
+    family: str, mix: str, more: set[str], tmp_path: Path
+) -> None:
+    base = _base(tmp_path, family, **K256)  # rows of 256 and 512: every weight a k-quant
+    exact = _decoded(_merge(base, tmp_path, "f32.gguf", "--gguf-type", "f32"))
+    out = _merge(base, tmp_path, f"{mix}.gguf", "--gguf-type", mix)
+    own = {"q4_k_m": QT.Q4_K, "q5_k_m": QT.Q5_K, "q6_k": QT.Q6_K}[mix]
+    reader = gguf.GGUFReader(out)
+    ftype = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}[mix]  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+    assert reader.fields["general.file_type"].contents() == ftype
+    got = _decoded(out)
+    assert got.keys() == exact.keys()
+    for name, (qt, w) in got.items():
+        want = exact[name][1]
+        if want.ndim == 1 or name.endswith("_norm.weight"):
+            assert qt == QT.F32 and np.array_equal(w, want), name
+            continue
+        assert qt == (QT.Q6_K if name in more else own), name
+        assert _rel_rms(w, want) < BOUND[qt], name  # merged weights are near-normal
+    ref = _transformers_logits(tmp_path / "f32.gguf")
+    err = float(
+        (_transformers_logits(out) - ref).square().mean().sqrt() / ref.square().mean().sqrt()
+    )
+    # this random model turns a weight error e into a logit error ~5 e (Gaussian noise of the
+    # same size does the same): the tolerance is 7x the file's worst weight bound
+    assert err < 7 * max(BOUND[own], BOUND[QT.Q6_K])
+    q4_0 = _merge(base, tmp_path, "q4_0.gguf", "--gguf-type", "q4_0")
+    worse = (_transformers_logits(q4_0) - ref).square().mean().sqrt() / ref.square().mean().sqrt()
+    assert err < float(worse)  # and every mix beats plain Q4_0, as llama.cpp's do
+
+
+def test_unknown_type_lists_the_k_quants(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = _base(tmp_path, "qwen2")
+    argv = ["merge", "--model", str(base), "--adapter", str(tmp_path / "ad")]
+    _fails([*argv, "--out", str(tmp_path / "m.gguf"), "--gguf-type", "q4_k"], capsys, "q4_k_m")
+
+
+@pytest.mark.real_model
+def test_type_mix_is_the_real_q4_k_m_files() -> None:
+    """Gemma 3 270M Q4_K_M as llama-quantize wrote it: rows of 640 (not a multiple of 256),
+    1024 and 2048, tied embeddings, 18 layers; every tensor's type is the one mix_type gives."""
+    from tests.test_real_gguf import _gemma3
+
+    reader = gguf.GGUFReader(_gemma3())
+    assert reader.fields["general.file_type"].contents() == 15  # MOSTLY_Q4_K_M
+    n_layer = int(reader.fields["gemma3.block_count"].contents())
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    got = {}
+    for t in reader.tensors:
+        shape = tuple(reversed([int(n) for n in t.shape]))
+        got[t.name] = (t.tensor_type, mix_type(t.name, shape, "q4_k_m", n_layer, tied))
+    assert {name for name, (real, ours) in got.items() if real != ours} == set()
+    # all five kinds occur, so the file exercises every rule above
+    assert {real for real, _ in got.values()} == {QT.F32, QT.Q4_K, QT.Q5_0, QT.Q6_K, QT.Q8_0}
