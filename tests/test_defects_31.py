@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from mesp.loading.tokenizer import Tokenizer as MespTokenizer
 from mesp.ondevice.export import ExportOptions, export_model
 from tests.engine_cases import model_with_adapter
 from tests.test_gguf_export import _base, _fails
-from tests.tiny_dir import make_model_dir, make_tokenizer, train_argv
+from tests.tiny_dir import make_jsonl, make_model_dir, make_tokenizer, train_argv
 
 
 def test_merge_to_gguf_without_bpe_merges_is_one_line(
@@ -94,3 +97,31 @@ def test_export_directory_and_files_get_the_umask_mode(tmp_path: Path) -> None:
     for p in paths:
         want = 0o755 if p.is_dir() else 0o644
         assert stat.S_IMODE(p.stat().st_mode) == want, p
+
+
+@pytest.mark.slow
+def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(tmp_path: Path) -> None:
+    """SIGTERM to `mesp train --nproc 2` ended it at once, leaving an empty
+    $TMPDIR/mesp-ranks-*.json and the agent running. It is passed on: the ranks save and stop,
+    the report goes, and the launcher exits 128 + SIGTERM."""
+    model = make_model_dir(tmp_path / "m", "llama")
+    data = make_jsonl(tmp_path / "d.jsonl", 30)
+    tmp, out = tmp_path / "tmp", tmp_path / "run"
+    tmp.mkdir()
+    argv = train_argv(
+        model, data, out, "--nproc", "2", python=True, quantize="none", seq_len=40,
+        batch_size=4, steps=100000, optimizer="sgd", eval_every=0, save_every=100000,
+    )  # fmt: skip
+    p = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp)}, stderr=subprocess.PIPE)
+    log, deadline = out / "log.jsonl", time.time() + 300
+    while (not log.exists() or '"loss"' not in log.read_text()) and time.time() < deadline:
+        assert p.poll() is None, p.communicate()[1].decode()[-2000:]
+        time.sleep(0.1)
+    assert list(tmp.glob("mesp-ranks-*.json"))  # the report exists while the ranks run
+    p.send_signal(signal.SIGTERM)
+    err = p.communicate(timeout=120)[1].decode()
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert not list(tmp.glob("mesp-ranks-*")), err[-2000:]
+    assert (out / "adapter_model.safetensors").exists()  # the ranks saved as they stopped
+    left = subprocess.run(["pgrep", "-f", f"mesp.*{out}"], capture_output=True, text=True)
+    assert not left.stdout.split(), left.stdout  # no agent or rank outlives the launcher

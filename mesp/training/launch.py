@@ -43,16 +43,44 @@ def torchrun_argv(nproc: int, port: int, log_dir: Path, report: Path, argv: list
 
 
 def run_ranks(nproc: int, port: int, log_dir: Path, argv: list[str]) -> tuple[int, str]:
-    """Run the ranks; (torchrun's exit code, '' or what failed: rank, how, where its log is)."""
+    """Run the ranks; (torchrun's exit code, '' or what failed: rank, how, where its log is).
+    SIGINT / SIGTERM / SIGHUP here are passed to the agent, which stops the ranks (they save)
+    and exits; then REPORT is removed and the code is 128 + the signal (SIGHUP as SIGTERM).
+    Their default actions ended this process at once, leaving an empty REPORT in the temp dir
+    and the agent running."""
     env = {"PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1", **os.environ}
-    fd, name = tempfile.mkstemp(prefix="mesp-ranks-", suffix=".json")
-    os.close(fd)
-    report = Path(name)
+    got: list[int] = []  # signals received
+    sent: list[int] = []  # and passed on
+    agent: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        signum = signal.SIGTERM if signum == signal.SIGHUP else signum
+        got.append(signum)
+        if agent is not None:
+            agent.send_signal(signum)
+            sent.append(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    report, text = None, ""
     try:
-        rc = subprocess.call(torchrun_argv(nproc, port, log_dir, report, argv), env=env)
-        text = report.read_text()
+        fd, name = tempfile.mkstemp(prefix="mesp-ranks-", suffix=".json")
+        os.close(fd)
+        report = Path(name)
+        if not got:
+            # its own session: a terminal's ^C reaches the agent once, through forward()
+            cmd = torchrun_argv(nproc, port, log_dir, report, argv)
+            agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+            if got and not sent:  # arrived while it started
+                agent.send_signal(got[0])
+            rc = agent.wait()
+            text = report.read_text()
     finally:
-        report.unlink(missing_ok=True)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if report is not None:
+            report.unlink(missing_ok=True)
+    if got:
+        return 128 + got[0], ""
     return rc, (describe(json.loads(text)) if text else "")
 
 
@@ -97,12 +125,15 @@ def _log_of(log_dir: str, local_rank: int) -> str:
 
 def _agent(report: Path, args: list[str]) -> int:
     """torchrun's main, with its ChildFailedError kept as REPORT."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     ns = parse_args(args)
     try:
         run(ns)
+    except SignalException as e:  # forwarded by run_ranks; the ranks were stopped with it
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         # timestamps are whole seconds: within one, a rank killed by a signal came first
         failed = sorted(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode >= 0))
