@@ -8,6 +8,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -125,3 +126,26 @@ def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(tmp_path: Pat
     assert (out / "adapter_model.safetensors").exists()  # the ranks saved as they stopped
     left = subprocess.run(["pgrep", "-f", f"mesp.*{out}"], capture_output=True, text=True)
     assert not left.stdout.split(), left.stdout  # no agent or rank outlives the launcher
+
+
+QUIET = """
+import logging, sys
+from mesp.cli import main
+assert main(["info", "--model", sys.argv[1]]) == 2  # sets up mesp's logging, then fails
+import peft  # imports torchao, as `mesp bench`'s peft-gc variant and dropin do
+logging.getLogger("mesp.bench").warning("own")
+"""
+
+
+def test_torchaos_import_noise_is_not_printed_as_mesp_warnings(tmp_path: Path) -> None:
+    """`mesp bench` printed torchao's 'Failed to load ...so' and 'no triton' lines (and torch's
+    pytree deprecation for torchao's enums) as `mesp: warning:` lines on every run; mesp's own
+    warnings still print."""
+    pytest.importorskip("torchao")
+    r = subprocess.run(
+        [sys.executable, "-c", QUIET, str(tmp_path / "none")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("mesp: error: ") and lines[1:] == ["mesp: warning: own"], lines

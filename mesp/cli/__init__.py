@@ -108,6 +108,11 @@ def _add_extensions(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="mesp: warning: %(message)s")
+    # torchao (which peft and executorch import) logs every optional kernel library it cannot
+    # load, and torch's pytree a deprecation for torchao's enums, on each import: nothing a
+    # mesp user can act on, and under mesp's prefix they read as mesp's own warnings
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         parser = _parser()
         if argv and argv[0] == "train":
