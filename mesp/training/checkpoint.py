@@ -37,6 +37,12 @@ class TrainState:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     rng: dict[str, Any] = field(default_factory=dict)
+    # --keep-best / --early-stop (training/best.py): the best validation so far and how many
+    # validations since did not beat it; saved so a resumed run stops where an uninterrupted
+    # one does. Tracked whether or not the flags are on, so a resume may turn them on.
+    best_loss: float | None = None
+    best_step: int = 0
+    since_best: int = 0
 
 
 def rng_json() -> dict[str, Any]:
@@ -112,6 +118,7 @@ def save_state(path: Path, model: CausalLM, opt: torch.optim.Optimizer, st: Trai
     meta = {
         k: getattr(st, k)
         for k in ("step", "stream", "losses", "valid", "fingerprint", "param_groups", "rng")
+        + ("best_loss", "best_step", "since_best")
     }
     # engine state (e.g. mezo's seed stream): tensors go to the file body, the rest to JSON
     meta["engine"] = {k: v for k, v in st.engine.items() if not isinstance(v, torch.Tensor)}
@@ -157,8 +164,10 @@ def fingerprint(
 ) -> dict[str, Any]:
     """What must stay the same for a resumed run to equal an uninterrupted one: the model and
     its storage, the engine and its options, the data, LoRA and training setup (less the
-    settings a run may change on resume: its length, evaluation, saving and progress)."""
+    settings a run may change on resume: its length, evaluation, saving, progress, keeping
+    the best and early stopping)."""
     skip = {"steps", "eval_every", "eval_batches", "save_every", "progress"}
+    skip |= {"keep_best", "early_stop"}  # what is kept and when to stop, not what is learned
     fp = {
         "model": loaded.source,
         "model_config": loaded.model.config.to_hf(),

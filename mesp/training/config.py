@@ -40,6 +40,17 @@ class TrainConfig:
     skip_nonfinite: bool = field(
         default=False, metadata={"help": "skip batches with a NaN/inf loss instead of stopping"}
     )
+    keep_best: bool = field(
+        default=False,
+        metadata={"help": "also keep the adapter of the best validation loss in ADAPTER_OUT/best/"},
+    )
+    early_stop: int = field(
+        default=0,
+        metadata={
+            "help": "stop after N validations in a row without a better loss (0 = off)",
+            "metavar": "N",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum"):
@@ -51,6 +62,13 @@ class TrainConfig:
             raise MespError(f"--loss-fraction must be in (0, 1], got {self.loss_fraction}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise MespError(f"--lr must be a positive finite number, got {self.lr}")
+        if self.early_stop < 0:
+            raise MespError(f"--early-stop must be 0 (off) or positive, got {self.early_stop}")
+        if self.early_stop and not self.eval_every:
+            raise MespError(
+                "--early-stop needs validations during training; --eval-every 0 validates "
+                "only once, at the end"
+            )
 
 
 @dataclass

@@ -18,10 +18,12 @@ from mesp.engines import Engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, save_adapter
 from mesp.models.transformer import CausalLM
+from mesp.training import best
 from mesp.training.checkpoint import TrainState, restore, save_state
 from mesp.training.config import TrainConfig, TrainResult
 from mesp.training.distributed import DataParallel
 from mesp.training.evaluate import evaluate
+from mesp.training.plot import plot_losses
 from mesp.training.schedule import lr_factor, make_optimizer
 from mesp.training.tensorboard import TensorBoardLog
 
@@ -49,6 +51,7 @@ def train(
     dp: DataParallel | None = None,
     max_memory: int | None = None,
     tensorboard: TensorBoardLog | None = None,
+    baseline: dict[str, float] | None = None,
 ) -> TrainResult:
     """Train the model's adapters with `engine`; with `dp`, this process is one data-parallel
     rank: it computes its slice of each global batch, every rank scores its share of the
@@ -59,13 +62,16 @@ def train(
     step less the weights' bytes, with the high-water mark reset there: the interpreter, torch,
     one-time imports and a loading spike are not the run's memory; the weights are.
 
-    `tensorboard`: rank 0's writer, given every row log.jsonl gets; the caller closes it."""
+    `tensorboard`: rank 0's writer, given every row log.jsonl gets; the caller closes it.
+    `baseline`: the validation before training, loss.png's step 0.
+    `cfg.keep_best` / `cfg.early_stop`: see training/best.py."""
     from mesp.memory.rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     params = model.lora_parameters()
     opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)
     stream = BatchStream(train_examples, cfg.batch_size, seed=cfg.seed, pad_id=pad_id)
     st = resume or TrainState(fingerprint=fingerprint or {})
+    best.check_setup(cfg, bool(valid_examples))
     if resume is not None:
         restore(model, opt, resume)
         stream.load_state_dict(resume.stream)
@@ -75,6 +81,8 @@ def train(
     if dp is not None and hasattr(engine, "reduce"):  # mezo: ranks share scalars, not tensors
         engine.reduce = dp.sum_scalars
     out_dir.mkdir(parents=True, exist_ok=True)
+    if resume is None and main:
+        best.clear_stale(out_dir)
     # a resumed run continues its log; a fresh run into an old directory starts a new one
     log_f = (out_dir / "log.jsonl").open("a" if resume is not None else "w") if main else None
     bar = _progress(cfg, st.step) if main else None
@@ -99,10 +107,16 @@ def train(
             return
         model.eval()
         v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches, dp)
+        better = best.record(st, step, v["loss"])  # on every rank: all stop at one step
         if not main:
             return
         st.valid.append({"step": step, **v})
-        log({"step": step, "valid_loss": v["loss"], "valid_ppl": v["ppl"]})
+        row = {"step": step, "valid_loss": v["loss"], "valid_ppl": v["ppl"]}
+        if better and (cfg.keep_best or cfg.early_stop):
+            row["valid_best_loss"] = v["loss"]  # TensorBoard: valid/best_loss
+        log(row)
+        if better and cfg.keep_best:  # before this step's checkpoint can record it
+            best.save_best(out_dir, step, v, lambda d: save_adapter(model, d, lora, base_name))
 
     def checkpoint() -> None:
         """Adapter and full state together: what a crash right after this line resumes from."""
@@ -118,7 +132,7 @@ def train(
         save_state(out_dir, model, opt, st)
 
     with stop:
-        while st.step < cfg.steps:
+        while st.step < cfg.steps and not best.stopped(st, cfg):
             step = st.step + 1
             t0 = time.perf_counter()
             lr = cfg.lr * lr_factor(st.step, cfg.steps, cfg.warmup, cfg.schedule)
@@ -222,20 +236,23 @@ def train(
         if bar is not None:
             bar.close()
         # still under the flag: a signal during the last validation or save lets both finish
-        if not st.valid or st.valid[-1]["step"] != cfg.steps:
+        early = best.stopped(st, cfg)  # it validated at its last step already
+        if not early and (not st.valid or st.valid[-1]["step"] != cfg.steps):
             validate(cfg.steps)
         checkpoint()
         if stop.signum:
             raise Interrupted(
                 128 + stop.signum,
-                f"interrupted after the last step ({cfg.steps}); the run is complete, its "
+                f"interrupted after the last step ({st.step}); the run is complete, its "
                 f"adapter and training state saved in {out_dir}",
             )
     if log_f is not None:
         log_f.close()
-        plot_losses(out_dir / "loss.png", st.losses, st.valid)
+        plot_losses(out_dir / "loss.png", st.losses, st.valid, baseline)
+        if early:
+            print(best.stop_message(st, cfg, out_dir), flush=True)
     return TrainResult(
-        cfg.steps, st.losses, st.valid, out_dir, peak_rss_bytes(), time.perf_counter() - t_start
+        st.step, st.losses, st.valid, out_dir, peak_rss_bytes(), time.perf_counter() - t_start
     )
 
 
@@ -269,21 +286,3 @@ def _progress(cfg: TrainConfig, done: int):  # type: ignore[no-untyped-def]
     from tqdm import tqdm
 
     return tqdm(total=cfg.steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
-
-
-def plot_losses(path: Path, losses: list[float], valid: list[dict[str, float]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, label="train", lw=1)
-    if valid:
-        ax.plot([v["step"] for v in valid], [v["loss"] for v in valid], "o-", label="valid")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -186,6 +186,7 @@ def run(job: TrainJob) -> int:
             dp=dp,
             max_memory=budget,
             tensorboard=tb,
+            baseline=before or None,  # loss.png's step 0
         )
     except BaseException:
         shutdown()
