@@ -60,7 +60,9 @@ def run(ns: argparse.Namespace) -> int:
         raise MespError("--memory-report measures the torch runner: not with --target executorch")
     loaded = open_model(from_args(ModelOptions, ns), seed=ns.seed)
     if ns.adapter:
-        load_adapter(loaded.model, Path(ns.adapter))
+        from mesp.loading.hub import adapter_dir  # a directory, or org/name from the HF cache
+
+        load_adapter(loaded.model, adapter_dir(ns.adapter))
     else:
         apply_lora(loaded.model, from_args(LoraConfig, ns), seed=ns.seed)
     conf = export_model(loaded.model, Path(ns.out), opts, base_name=loaded.source)

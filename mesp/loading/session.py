@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -82,5 +81,7 @@ def open_with_adapter(opts: ModelOptions, adapter: str | None) -> Loaded:
     """The model of `opts` with the PEFT adapter directory `adapter` loaded (none: as it is)."""
     loaded = open_model(opts)
     if adapter:
-        load_adapter(loaded.model, Path(adapter))
+        from mesp.loading.hub import adapter_dir  # a directory, or org/name from the HF cache
+
+        load_adapter(loaded.model, adapter_dir(adapter))
     return loaded

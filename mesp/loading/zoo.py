@@ -303,9 +303,12 @@ def random_shape(name: str) -> ModelConfig:
 
 
 def resolve(name: str) -> Path | None:
-    """Path of a named wheel model, or None when `name` is not one of WHEELS."""
+    """Path of a named wheel model or of a Hub id's snapshot (`org/name`, loading/hub.py); None
+    when `name` is neither (a path: one that exists always wins over a Hub id)."""
     if name not in WHEELS:
-        return None
+        from mesp.loading.hub import local_path
+
+        return local_path(name, "model")
     module, filename, hint = WHEELS[name]
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
