@@ -83,14 +83,21 @@ def read_best(out_dir: Path) -> dict[str, float] | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def stop_message(st: TrainState, cfg: TrainConfig, out_dir: Path) -> str:
-    """The one line an early-stopped run ends with: why, and where the best adapter is."""
+def final_line(st: TrainState, cfg: TrainConfig, out_dir: Path, early: bool) -> str | None:
+    """The line a run ends with under --keep-best or an early stop: why it stopped, and where
+    the best adapter is (not kept where --keep-best was turned on by a resume after it)."""
+    if not (early or cfg.keep_best) or st.best_loss is None:
+        return None
     best = f"step {st.best_step}, valid loss {st.best_loss:.4f}"
-    where = (
-        f"best adapter ({best}) in {out_dir / BEST_DIR}"
-        if cfg.keep_best
-        else f"the best was {best} (--keep-best keeps its adapter)"
-    )
+    kept = read_best(out_dir)
+    if kept is not None and kept.get("step") == st.best_step:
+        where = f"best adapter ({best}) in {out_dir / BEST_DIR}"
+    elif cfg.keep_best:
+        where = f"the best was {best}, before --keep-best was given: its adapter was not kept"
+    else:
+        where = f"the best was {best} (--keep-best keeps its adapter)"
+    if not early:
+        return f"mesp: {where}"
     return (
         f"mesp: early stop at step {st.step}: {st.since_best} validations without a better "
         f"loss (--early-stop {cfg.early_stop}); {where}; final adapter in {out_dir}"

@@ -249,8 +249,9 @@ def train(
     if log_f is not None:
         log_f.close()
         plot_losses(out_dir / "loss.png", st.losses, st.valid, baseline)
-        if early:
-            print(best.stop_message(st, cfg, out_dir), flush=True)
+        line = best.final_line(st, cfg, out_dir, early)
+        if line:
+            print(line, flush=True)
     return TrainResult(
         st.step, st.losses, st.valid, out_dir, peak_rss_bytes(), time.perf_counter() - t_start
     )
