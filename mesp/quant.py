@@ -36,9 +36,12 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if type(self.bits) is not int or self.bits not in (4, 8):
             raise MespError(f"quantization bits must be 4 or 8, got {self.bits!r}")
-        if type(self.group_size) is not int or self.group_size not in (32, 64, 128):
+        # 16: llama.cpp's Q6_K keeps a scale per 16 weights (8-bit codes only, as there)
+        sizes = (16, 32, 64, 128) if self.bits == 8 else (32, 64, 128)
+        if type(self.group_size) is not int or self.group_size not in sizes:
             raise MespError(
-                f"quantization group size must be 32, 64 or 128, got {self.group_size!r}"
+                f"{self.bits}-bit quantization group size must be one of "
+                f"{', '.join(map(str, sizes))}, got {self.group_size!r}"
             )
 
     @property

@@ -9,7 +9,7 @@ import torch
 
 from mesp.config import ModelConfig
 from mesp.errors import MespError
-from mesp.loading.build import TensorSource, build_model
+from mesp.loading.build import TensorSource, build_model, expected_tensors
 from mesp.loading.tokenizer import Tokenizer
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
@@ -21,6 +21,7 @@ class Loaded:
     tokenizer: Tokenizer | None
     source: str
     fmt: str  # "hf" | "mlx" | "gguf" | "random"
+    base: str = ""  # how the base weights are held, for the run's first line (see base_of)
 
     def require_tokenizer(self) -> Tokenizer:
         """The tokenizer, for commands that read text; a one-line error where there is none."""
@@ -33,18 +34,29 @@ def load_model(
     path: str | Path,
     quant: QuantSpec | None = None,
     dtype: torch.dtype = torch.float32,
+    keep_stored: bool = False,
 ) -> Loaded:
-    """`quant` requantizes full-precision weights on load; MLX checkpoints stay as packed."""
+    """`quant` quantizes full-precision weights on load; MLX checkpoints stay as packed. A GGUF
+    file's llama.cpp codes are kept as stored with `keep_stored` (its float weights then stay
+    dense too), else dequantized and, with `quant`, quantized again (a second rounding)."""
     p = Path(path)
     if not p.exists():
         raise MespError(f"{p}: no such file or directory")
     if p.is_file() and p.suffix == ".gguf":
         from mesp.loading.gguf import GGUFFile
+        from mesp.loading.gguf_stored import describe, requantize_cost
 
-        with GGUFFile(p) as g:  # each tensor dequantized from the map only when built
+        with GGUFFile(p) as g:  # each tensor read from the map only when built
             cfg = ModelConfig.from_hf(g.config, source=str(p))
-            model = build_model(cfg, TensorSource(g.names, g.tensor, str(p)), dtype, quant)
-            return Loaded(model, g.tokenizer, str(p), "gguf")
+            src = TensorSource(g.names, g.tensor, str(p))
+            stored = keep_stored and g.quantized
+            if stored:
+                src.stored, quant = g.packed, None
+            model = build_model(cfg, src, dtype, quant)
+            if quant is not None and g.quantized:
+                requantize_cost(model, g, quant)
+            base = describe(g, expected_tensors(model)) if stored else ""
+            return Loaded(model, g.tokenizer, str(p), "gguf", base)
     if p.is_dir():
         from mesp.loading.safetensors_dir import read_safetensors_dir
 

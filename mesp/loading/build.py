@@ -34,6 +34,9 @@ class TensorSource:
     ) -> None:
         self.names, self._get, self.source, self._close = set(names), get, source, close
         self.quant: QuantSpec | None = None  # set by MLX checkpoints
+        # set by quantized GGUF files: a weight's codes as stored (words, scales, biases, spec),
+        # or None for a weight stored as floats
+        self.stored: Callable[[str], tuple[torch.Tensor, ...] | None] | None = None
 
     def get(self, name: str) -> torch.Tensor:
         return self._get(name)
@@ -134,6 +137,16 @@ def build_model(
                 )
             mod.set_packed(_as_int32(wq), s.to(dtype), b.to(dtype), spec)
             continue
+        got = src.stored(name) if src.stored and isinstance(mod, FrozenWeight) else None
+        if got is not None and attr == "weight":
+            wq, s, b, spec = got
+            if (tuple(s.shape), s.shape[1] * spec.group_size) != ((shape[0], s.shape[1]), shape[1]):
+                raise MespError(
+                    f"{src.source}: tensor {name} has {tuple(s.shape)} groups of "
+                    f"{spec.group_size}, config expects shape {shape}"
+                )
+            mod.set_packed(wq, s.to(dtype), b.to(dtype), spec)
+            continue
         t = src.get(name)
         if tuple(t.shape) != shape:
             raise MespError(
@@ -152,3 +165,14 @@ def build_model(
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     """MLX stores packed words as uint32; we keep the same bits as int32 (shifts work on it)."""
     return t if t.dtype == torch.int32 else t.view(torch.int32)
+
+
+def held(model: CausalLM) -> str:
+    """How the frozen weight matrices are held, e.g. '4-bit g64 x210, dense x1' (for the log)."""
+    counts: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, FrozenWeight):
+            q = mod.quant
+            k = f"{q.bits}-bit g{q.group_size}" if q else f"dense {str(mod.dtype)[6:]}"
+            counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from mesp.errors import MespError
+from mesp.loading.gguf_codes import STORED, to_mlx
 from mesp.loading.gguf_hf import (
     ARCHS,
     GEMMA_LAYER,
@@ -254,6 +255,34 @@ class GGUFFile:
         name = self._by_hf[hf_name]
         values = undo_converter(name, self._values(name), self._arch, self.config, self.where)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    def qtype(self, hf_name: str) -> QT:
+        """The ggml type a tensor is stored in."""
+        return self._infos[self._by_hf[hf_name]].qtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight matrix holds llama.cpp codes that `packed` keeps as stored."""
+        return any(self.qtype(n) in STORED and n.endswith(".weight") for n in self._by_hf)
+
+    def packed(self, hf_name: str) -> tuple[torch.Tensor, ...] | None:
+        """A weight matrix's codes as stored, in MLX's layout: (words, scales, biases) + spec,
+        scales and biases float32 (gguf_codes says why this is exact); None for a float tensor."""
+        if self._buf is None:
+            raise MespError(f"{self.where}: read after close")
+        name = self._by_hf[hf_name]
+        info = self._infos[name]
+        if info.qtype not in STORED or len(info.shape) != 2 or name.endswith("norm.weight"):
+            return None
+        raw = np.frombuffer(self._buf, np.uint8, info.nbytes, info.start)
+        arrays = to_mlx(info.qtype, raw, (info.shape[0], info.shape[1]))
+        # the converter's only edit of a matrix is llama's q/k row order: rows move whole
+        w, s, b = (
+            torch.from_numpy(np.ascontiguousarray(undo_converter(name, a, self._arch, self.config,
+                                                                 self.where)))
+            for a in arrays
+        )  # fmt: skip
+        return w, s, b, STORED[info.qtype][0]
 
     def close(self) -> None:
         if self._buf is not None:

@@ -25,8 +25,13 @@ class ModelOptions:
         },
     )
     quantize: str = field(
-        default="4",
-        metadata={"help": "base weights: none, 4 or 8 bit", "choices": ("none", "4", "8")},
+        default="auto",
+        metadata={
+            "help": "base weights: auto (a GGUF or MLX file's quantized weights as stored, "
+            "full-precision ones at 4 bits), none (dense), 4 or 8 (quantize to MLX's layout; "
+            "on a quantized GGUF a second rounding)",
+            "choices": ("auto", "none", "4", "8"),
+        },
     )
     group_size: int = field(default=64, metadata={"help": "quantization group size (32/64/128)"})
     dtype: str = field(
@@ -44,7 +49,15 @@ class ModelOptions:
 
     @property
     def quant(self) -> QuantSpec | None:
-        return None if self.quantize == "none" else QuantSpec(int(self.quantize), self.group_size)
+        """The layout full-precision weights are quantized to (auto: 4-bit)."""
+        if self.quantize == "none":
+            return None
+        return QuantSpec(4 if self.quantize == "auto" else int(self.quantize), self.group_size)
+
+    @property
+    def keep_stored(self) -> bool:
+        """Whether a quantized GGUF file's codes are kept as stored (not requantized)."""
+        return self.quantize == "auto"
 
 
 def check_device(device: str) -> torch.device:
@@ -71,7 +84,8 @@ def open_model(opts: ModelOptions, seed: int = 0) -> Loaded:
         model = random_model(cfg, opts.quant, opts.torch_dtype, seed)
         loaded = Loaded(model, None, opts.model, "random")
     else:
-        loaded = load_model(resolve(opts.model) or opts.model, opts.quant, opts.torch_dtype)
+        path = resolve(opts.model) or opts.model
+        loaded = load_model(path, opts.quant, opts.torch_dtype, opts.keep_stored)
     if dev.type != "cpu":  # built on the host one tensor at a time, then moved whole
         loaded.model.to(dev)
     return loaded

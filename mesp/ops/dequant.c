@@ -136,7 +136,9 @@ static inline void row(const uint8_t *w, const void *s, const void *b, void *dst
 int mesp_dequantize(const uint8_t *wb, const void *s, const void *b, void *out, int64_t r0,
                     int64_t r1, int64_t groups, int64_t g0, int64_t g1, int64_t ld, int group,
                     int bits, int scale_bf16, int bf16_math, int out_bf16, int threads) {
-    if ((bits != 4 && bits != 8) || group < 32 || group > 128 || group % 32) return -1;
+    /* 4 bits: 32-value steps; 8 bits: 8-value steps, so group 16 (GGUF's Q6_K) too */
+    if ((bits != 4 && bits != 8) || group > 128 || group % (bits == 4 ? 32 : 16) || group < 16)
+        return -1;
     if (out_bf16 && !bf16_math) return -1;
     int64_t row_bytes = groups * group * bits / 8, work = (r1 - r0) * (g1 - g0) * group;
     if (threads < 1) threads = 1;

@@ -15,6 +15,7 @@ from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.engines import make_engine
 from mesp.engines.options import EngineOptions, engine_kwargs
 from mesp.errors import MespError
+from mesp.loading.build import held
 from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import LoraConfig, apply_lora, check_output_dir
 from mesp.training.budget import budget_tapes, check_budget
@@ -152,7 +153,7 @@ def run(job: TrainJob) -> int:
             _full_model_dir(model, tok, out, resume is not None, main)
         ranks = f", {dp.world} ranks" if dp is not None else ""
         say(
-            f"mesp: {loaded.source} ({model.config.family}, {job.model.quantize}-bit base, "
+            f"mesp: {loaded.source} ({model.config.family}, base {loaded.base or held(model)}, "
             f"{job.model.dtype}), {n_params:,} LoRA parameters, engine {engine.name}{ranks}, "
             f"{len(splits['train'])} train / {len(splits['valid'])} valid rows"
         )
