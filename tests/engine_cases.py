@@ -3,6 +3,8 @@ and a padded batch with a masked prompt."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mesp.batch import Batch
@@ -10,6 +12,12 @@ from mesp.lora import LoraConfig, apply_lora
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
 from tests.hf_tiny import hf_model, mesp_from_hf
+
+# Where the engine tests run: cpu here; scripts/gpu-check sets cuda (models and batches move
+# there after they are built on the CPU, so the numbers are the same ones).
+DEVICE = os.environ.get("MESP_TEST_DEVICE", "cpu")
+# bf16 gradients are checked where a device runs them natively (the CPU suite: fp32 only)
+DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 
 def model_with_adapter(
@@ -24,7 +32,7 @@ def model_with_adapter(
     with torch.no_grad():
         for p in m.lora_parameters():
             p.copy_((torch.randn(p.shape, generator=g) * 0.05).to(dtype))
-    return m
+    return m.to(DEVICE)
 
 
 def padded_batch(b: int = 3, s: int = 23, vocab: int = 211, seed: int = 5) -> Batch:
@@ -37,7 +45,8 @@ def padded_batch(b: int = 3, s: int = 23, vocab: int = 211, seed: int = 5) -> Ba
     for i, n in enumerate(lengths):
         mask[i, 4:n] = True
         ids[i, n + 1 :] = 0
-    return Batch(input_ids=ids[:, :-1].contiguous(), targets=ids[:, 1:].contiguous(), mask=mask)
+    batch = Batch(input_ids=ids[:, :-1].contiguous(), targets=ids[:, 1:].contiguous(), mask=mask)
+    return batch.to(DEVICE)
 
 
 def grads_of(engine, model: CausalLM, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
@@ -47,13 +56,20 @@ def grads_of(engine, model: CausalLM, batch: Batch) -> tuple[float, dict[str, to
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def assert_grads_match(g_ref: dict[str, torch.Tensor], g: dict[str, torch.Tensor]) -> None:
-    """The issue's bar for exact engines: cosine >= 0.999999, max relative error <= 1e-4."""
+def assert_grads_match(
+    g_ref: dict[str, torch.Tensor], g: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> None:
+    """The issue's bar for exact engines: cosine >= 0.999999, max relative error <= 1e-4.
+    bf16 (both engines rounding to 8 mantissa bits, in different orders): cosine >=
+    1 - 16 eps^2 and max relative error <= 8 eps, eps = 2^-7 (seen on the CPU: 1 - 0.8 eps^2
+    and 2.5 eps at worst over the four families)."""
     assert g_ref.keys() == g.keys()
+    eps = torch.finfo(dtype).eps
+    cos_bar, rel_bar = (0.999999, 1e-4) if dtype == torch.float32 else (1 - 16 * eps**2, 8 * eps)
     a = torch.cat([t.flatten().double() for t in g_ref.values()])
     b = torch.cat([g[k].flatten().double() for k in g_ref])
     cos = torch.nn.functional.cosine_similarity(a, b, dim=0)
-    assert cos >= 0.999999, cos
+    assert cos >= cos_bar, cos
     for k in g_ref:
-        rel = (g[k] - g_ref[k]).abs().max() / g_ref[k].abs().max()
-        assert rel <= 1e-4, (k, rel)
+        rel = (g[k].double() - g_ref[k].double()).abs().max() / g_ref[k].double().abs().max()
+        assert rel <= rel_bar, (k, rel)

@@ -7,20 +7,31 @@ import torch
 
 from mesp.engines import make_engine
 from mesp.quant import QuantSpec
-from tests.engine_cases import assert_grads_match, grads_of, model_with_adapter, padded_batch
+from tests.engine_cases import (
+    DTYPES,
+    assert_grads_match,
+    grads_of,
+    model_with_adapter,
+    padded_batch,
+)
 from tests.hf_tiny import FAMILIES
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
 @pytest.mark.parametrize("h_strategy", ["recompute", "store"])
 @pytest.mark.parametrize("quant", [None, QuantSpec(4, 32)], ids=["dense", "q4"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mesp_matches_bp(family: str, quant: QuantSpec | None, h_strategy: str) -> None:
-    model = model_with_adapter(family, quant)
+def test_mesp_matches_bp(
+    family: str, quant: QuantSpec | None, h_strategy: str, dtype: torch.dtype
+) -> None:
+    """On MESP_TEST_DEVICE (cpu; cuda from scripts/gpu-check, which adds bf16)."""
+    model = model_with_adapter(family, quant, dtype=dtype)
     batch = padded_batch()
     loss_bp, g_bp = grads_of(make_engine("bp"), model, batch)
     loss_ms, g_ms = grads_of(make_engine("mesp", h_strategy=h_strategy), model, batch)
-    assert abs(loss_bp - loss_ms) <= 1e-5 * abs(loss_bp)
-    assert_grads_match(g_bp, g_ms)
+    rtol = 1e-5 if dtype == torch.float32 else 8 * torch.finfo(dtype).eps
+    assert abs(loss_bp - loss_ms) <= rtol * abs(loss_bp)
+    assert_grads_match(g_bp, g_ms, dtype)
 
 
 def test_odd_sizes_gqa_long_sequence_small_vocab_chunks() -> None:
