@@ -93,9 +93,10 @@ def test_revisions_and_what_is_not_a_hub_id(src: dict[str, Path], cache: Path) -
     assert local_path("org/tiny") == main_snap
     assert local_path("org/tiny@main") == main_snap
     assert local_path("org/tiny@v2") == v2 == local_path(f"org/tiny@{other}")
-    assert parse("org/tiny@v2") == ("org/tiny", "v2")
+    assert parse("org/tiny@v2") == ("org/tiny", "v2", None)
+    assert parse("org/tiny-GGUF@v2/q/m.Q4_0.gguf") == ("org/tiny-GGUF", "v2", "q/m.Q4_0.gguf")
     for not_an_id in ("smollm2", "random:qwen2.5-0.5b", "./org/tiny", "/org/tiny", "a/b/c",
-                      "org/..", "org/tiny@../x", "model.gguf"):  # fmt: skip
+                      "org/..", "org/tiny@../x", "model.gguf", "org/x/../y.gguf"):  # fmt: skip
         assert parse(not_an_id) is None and local_path(not_an_id) is None, not_an_id
     # a local path that exists wins over the Hub id it spells
     shutil.copytree(src["model"], Path("org") / "tiny")
@@ -175,3 +176,28 @@ def test_cache_dir_follows_huggingface_hubs_variables(
     assert cache_dir() == tmp_path / "hf" / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
     assert cache_dir() == tmp_path / "c"
+
+
+def test_a_gguf_file_of_a_repository(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """org/name/FILE.gguf names one quantization of a GGUF repository; org/name alone does
+    where the snapshot holds one .gguf, and says which there are where it holds several."""
+    from tests.test_gguf import write_model
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_model(repo / "tiny.Q8_0.gguf", "qwen2")
+    (repo / "README.md").write_text("a model card\n")
+    lay_out(cache, "org/one-GGUF", repo)
+    for ref in ("org/one-GGUF/tiny.Q8_0.gguf", "org/one-GGUF"):
+        assert main(["info", "--model", ref]) == 0
+        assert "qwen2" in capsys.readouterr().out
+    write_model(repo / "tiny.F16.gguf", "qwen2")
+    lay_out(cache, "org/two-GGUF", repo)
+    assert main(["info", "--model", "org/two-GGUF"]) == 2
+    err = capsys.readouterr().err
+    assert "2 .gguf files (tiny.F16.gguf, tiny.Q8_0.gguf)" in err and err.count("\n") == 1
+    assert main(["info", "--model", "org/two-GGUF/tiny.F16.gguf"]) == 0
+    assert main(["info", "--model", "org/two-GGUF/tiny.Q4_0.gguf"]) == 2  # not in the snapshot
+    assert "hf download org/two-GGUF tiny.Q4_0.gguf" in capsys.readouterr().err

@@ -5,10 +5,12 @@ The cache is what `huggingface_hub` writes: `$HF_HUB_CACHE`, else `$HF_HOME/hub`
 `models--org--name/`: `refs/<branch>` holds a commit hash, `snapshots/<hash>/` the files (links
 into `blobs/`). Reading it needs no network and no `huggingface_hub`.
 
-`org/name@REV` picks a branch or tag (`refs/REV`) or a commit hash; the default is `main`. A
-repository missing from the cache is downloaded with `huggingface_hub.snapshot_download` where
-that package is installed and `HF_HUB_OFFLINE` is not set (only the files mesp reads); else
-the error says how to get it. A local path that exists always wins over a Hub id.
+`org/name@REV` picks a branch or tag (`refs/REV`) or a commit hash; the default is `main`.
+`org/name/FILE.gguf` (or `org/name` where the snapshot holds one .gguf) names a GGUF file of
+a repository that holds several quantizations. A repository missing from the cache is
+downloaded with `huggingface_hub.snapshot_download` where that package is installed and
+`HF_HUB_OFFLINE` is not set (only the files mesp reads); else the error says how to get it. A
+local path that exists always wins over a Hub id.
 """
 
 from __future__ import annotations
@@ -20,13 +22,19 @@ from pathlib import Path
 
 from mesp.errors import MespError
 
-# org/name as the Hub spells repository ids; a revision after '@' (branch, tag or commit)
-_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-_REV = re.compile(r"[\w.-]+(/[\w.-]+)*")
+# org/name as the Hub spells repository ids, a revision after '@' (branch, tag or commit), a
+# .gguf file in the repository after a '/'
+_REF = re.compile(
+    r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w.-]+))?"
+    r"(?:/(?P<file>[\w.-]+(?:/[\w.-]+)*\.gguf))?"
+)
 _TRUE = {"1", "true", "yes", "on"}
 
 # what each kind of directory must hold, and what a download fetches (no .bin, .onnx, .h5...)
-_NEEDS = {"model": ("config.json",), "adapter": ("adapter_config.json",)}
+_NEEDS = {
+    "model": ("config.json",),
+    "adapter": ("adapter_config.json", "adapter_model.safetensors"),
+}
 _FETCH = {
     "model": ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
     "adapter": ["adapter_config.json", "adapter_model.safetensors"],
@@ -44,12 +52,13 @@ def cache_dir() -> Path:
     return Path(env.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "huggingface" / "hub"
 
 
-def parse(ref: str) -> tuple[str, str | None] | None:
-    """`org/name[@rev]` -> (repo id, revision); None for anything else (a path, a wheel name)."""
-    repo, _, rev = ref.partition("@")
-    if not _ID.fullmatch(repo) or ".." in ref or (rev and not _REV.fullmatch(rev)):
+def parse(ref: str) -> tuple[str, str | None, str | None] | None:
+    """`org/name[@rev][/FILE.gguf]` -> (repo id, revision, file); None for anything else (a
+    path, a wheel name)."""
+    m = _REF.fullmatch(ref)
+    if m is None or ".." in ref:
         return None
-    return repo, rev or None
+    return m["repo"], m["rev"], m["file"]
 
 
 def snapshot(cache: Path, repo: str, revision: str | None = None) -> Path | None:
@@ -61,26 +70,34 @@ def snapshot(cache: Path, repo: str, revision: str | None = None) -> Path | None
     return d if commit and d.is_dir() else None
 
 
-def _complete(d: Path, kind: str) -> bool:
-    """Holds what `kind` needs, every link resolving (a broken link: an evicted blob)."""
-    if not all((d / f).is_file() for f in _NEEDS[kind]):
-        return False
-    return any(f.is_file() for f in d.glob("*.safetensors"))
+def _pick(ref: str, d: Path, kind: str, file: str | None) -> Path | None:
+    """What a snapshot holds for `kind` (the directory, or a .gguf file), every link resolving
+    (a broken link: an evicted blob); None when incomplete."""
+    if file is not None:
+        return d / file if (d / file).is_file() else None
+    if all((d / f).is_file() for f in _NEEDS[kind]) and any(
+        f.is_file() for f in d.glob("*.safetensors")
+    ):
+        return d
+    ggufs = sorted(f.name for f in d.glob("*.gguf") if f.is_file()) if kind == "model" else []
+    if len(ggufs) > 1:
+        raise MespError(
+            f"{ref}: holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); name one as "
+            f"{ref}/FILE.gguf"
+        )
+    return d / ggufs[0] if ggufs else None
 
 
 def local_path(ref: str, kind: str = "model") -> Path | None:
-    """The directory a Hub id names (`kind`: "model" or "adapter"), from the cache or just
-    downloaded; None when `ref` is an existing path or no Hub id. Raises MespError (one line)
-    when it is neither cached nor downloadable."""
+    """The directory (or .gguf file) a Hub id names (`kind`: "model" or "adapter"), from the
+    cache or just downloaded; None when `ref` is an existing path or no Hub id. Raises
+    MespError (one line) when it is neither cached nor downloadable."""
     parsed = None if Path(ref).expanduser().exists() else parse(ref)
     if parsed is None:
         return None
-    repo, rev = parsed
-    cache = cache_dir()
-    d = snapshot(cache, repo, rev)
-    if d is not None and _complete(d, kind):
-        return d
-    return _download(ref, repo, rev, cache, kind)
+    d = snapshot(cache_dir(), parsed[0], parsed[1])
+    got = _pick(ref, d, kind, parsed[2]) if d is not None else None
+    return got or _download(ref, parsed, cache_dir(), kind)
 
 
 def adapter_dir(ref: str) -> Path:
@@ -88,16 +105,18 @@ def adapter_dir(ref: str) -> Path:
     return local_path(ref, "adapter") or Path(ref)
 
 
-def _download(ref: str, repo: str, rev: str | None, cache: Path, kind: str) -> Path:
+def _download(ref: str, parsed: tuple[str, str | None, str | None], cache: Path, kind: str) -> Path:
+    repo, rev, file = parsed
+    what = f"{repo} {file}" if file else repo  # as `hf download` takes it
     why = ""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
-        why, how = "HF_HUB_OFFLINE is set", f"`hf download {repo}` where online"
+        why, how = "HF_HUB_OFFLINE is set", f"`hf download {what}` where online"
     else:
         try:
             from huggingface_hub import snapshot_download
         except ImportError:
             why = "huggingface_hub is not installed"
-            how = f"`pip install huggingface_hub && hf download {repo}`"
+            how = f"`pip install huggingface_hub && hf download {what}`"
     if why:
         raise MespError(
             f"{ref}: not in the Hugging Face cache ({cache}) and {why}; download it with "
@@ -106,15 +125,18 @@ def _download(ref: str, repo: str, rev: str | None, cache: Path, kind: str) -> P
     print(f"mesp: {ref}: not in {cache}; downloading it from the Hugging Face Hub", file=sys.stderr)
     try:
         got = snapshot_download(
-            repo, revision=rev, cache_dir=str(cache), allow_patterns=_FETCH[kind]
+            repo,
+            revision=rev,
+            cache_dir=str(cache),
+            allow_patterns=[file] if file else _FETCH[kind],
         )
     except Exception as e:  # no such repository, gated, no network: the library's own words
         line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise MespError(f"{ref}: could not download from the Hugging Face Hub ({line})") from None
-    d = Path(got)
-    if not _complete(d, kind):
-        needs = ", ".join(_NEEDS[kind])
-        raise MespError(
-            f"{ref}: the Hub repository has no {kind} mesp reads ({needs} + .safetensors)"
+    picked = _pick(ref, Path(got), kind, file)
+    if picked is None:
+        needs = f"{', '.join(_NEEDS[kind])} with .safetensors" + (
+            f", or a .gguf file named as {repo}/FILE.gguf" if kind == "model" else ""
         )
-    return d
+        raise MespError(f"{ref}: the Hub repository has no {kind} that mesp reads ({needs})")
+    return picked
