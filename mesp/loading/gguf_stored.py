@@ -9,6 +9,7 @@ hand and says so (SmolLM2-135M Q4_1: validation perplexity 48.8 -> 73.3, README)
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple
 
 import torch
@@ -17,7 +18,7 @@ from mesp.loading.gguf import GGUFFile
 from mesp.loading.gguf_codes import STORED, stored_bits
 from mesp.models.linear import FrozenWeight
 from mesp.models.transformer import CausalLM
-from mesp.quant import QuantSpec
+from mesp.quant import QuantSpec, quantized_bytes
 
 log = logging.getLogger("mesp")
 
@@ -85,3 +86,38 @@ def requantize_cost(model: CausalLM, g: GGUFFile, quant: QuantSpec) -> float:
         quant.bits, "/".join(sorted(types)), quant.bits, quant.group_size, 100 * rel, seen,
     )  # fmt: skip
     return rel
+
+
+def info_lines(g: GGUFFile, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> list[str]:
+    """`mesp info`'s lines for a quantized GGUF: per ggml type, what it becomes and its bits
+    per weight in the file and in memory (scales and biases in `dtype`)."""
+    rows = type_rows(g, shapes)
+    total = sum(r.params * r.memory_bits(dtype) for r in rows) / 8
+    out = []
+    for i, r in enumerate(rows):
+        into = f"MLX {r.spec.bits}-bit g{r.spec.group_size}" if r.spec else "dense"
+        out.append(
+            f"{'stored' if i == 0 else '':<12} {r.qtype:<5} x{r.count:<4} {r.params / 1e6:7.1f}M "
+            f"weights, {r.file_bits:5.2f} bits in the file -> {into}, "
+            f"{r.memory_bits(dtype):5.2f} bits in memory"
+        )
+    out.append(
+        f"{'':<12} {total / 2**20:,.1f} MB of weight matrices as stored (--quantize auto); "
+        "--quantize 4|8 requantizes them, a second rounding"
+    )
+    return out
+
+
+def memory_bytes(g: GGUFFile, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> int:
+    """Bytes of the model's frozen tensors (`shapes`: HF name -> shape) loaded as stored:
+    codes in their MLX container with a scale and a bias per group, anything else dense."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        qt = g.qtype(name) if name in g.names else None
+        if qt in STORED and len(shape) == 2:
+            total += quantized_bytes(shape[0], shape[1], STORED[qt][0], dtype)
+        else:
+            total += n * e
+    return total

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from mesp.config import ModelConfig
+from mesp.loading.build import expected_tensors
 from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import lora_param_count
 from mesp.models.linear import FrozenWeight
@@ -81,7 +84,10 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
     with torch.device("meta"):
         lora_n = lora_param_count(CausalLM(cfg, opts.torch_dtype), rank, targets)
     mb = 2**20
+    gl = gguf_lines(opts, cfg)
     how = "as stored" if stored else "with --quantize" if opts.quant else "if quantized"
+    if gl:
+        how = "with --quantize 4, requantized" if opts.keep_stored else how
     lines = [
         f"model        {opts.model}",
         f"family       {cfg.family}",
@@ -104,4 +110,43 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
         f"LoRA         {lora_n:,} parameters at rank {rank} on {','.join(targets)} "
         f"({lora_n * 4 / mb:.2f} MB fp32)",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + gl)
+
+
+def _stored_gguf(opts: ModelOptions) -> Path | None:
+    """The GGUF file `opts` loads with its codes kept as stored, if it does."""
+    from mesp.loading.zoo import resolve
+
+    path = Path(resolve(opts.model) or opts.model)
+    if opts.model.startswith("random:") or path.suffix != ".gguf" or not path.is_file():
+        return None
+    return path
+
+
+def stored_weight_bytes(opts: ModelOptions, cfg: ModelConfig) -> int | None:
+    """Bytes of every frozen tensor of a quantized GGUF loaded as stored (None: anything else,
+    whose bytes follow from --quantize)."""
+    path = _stored_gguf(opts) if opts.keep_stored else None
+    if path is None:
+        return None
+    from mesp.loading.gguf import GGUFFile
+    from mesp.loading.gguf_stored import memory_bytes
+
+    with torch.device("meta"):
+        shapes = expected_tensors(CausalLM(cfg, opts.torch_dtype))
+    with GGUFFile(path) as g:
+        return memory_bytes(g, shapes, opts.torch_dtype) if g.quantized else None
+
+
+def gguf_lines(opts: ModelOptions, cfg: ModelConfig) -> list[str]:
+    """A quantized GGUF's types, what each becomes and its bits per weight (none otherwise)."""
+    path = _stored_gguf(opts)
+    if path is None:
+        return []
+    from mesp.loading.gguf import GGUFFile
+    from mesp.loading.gguf_stored import info_lines
+
+    with torch.device("meta"):
+        shapes = expected_tensors(CausalLM(cfg, opts.torch_dtype))
+    with GGUFFile(path) as g:
+        return info_lines(g, shapes, opts.torch_dtype) if g.quantized else []

@@ -106,12 +106,16 @@ def predict(
     dtype: torch.dtype = torch.float32,
     optimizer: str = "adamw",
     keep_tapes: int = 0,
+    weights: int | None = None,
 ) -> dict[str, int | str]:
     """Bytes of each part of one training step and its peak (`total`): the largest of the
     moments in `phase:*`, each the state live then plus that moment's working set.
-    `keep_tapes`: mesp keeps the tapes of its last this many blocks (budget-aware recompute)."""
+    `keep_tapes`: mesp keeps the tapes of its last this many blocks (budget-aware recompute).
+    `weights`: the frozen weights' bytes where the file fixes them (a GGUF's codes as stored:
+    mesp.loading.info.stored_weight_bytes), else they follow from `quant`."""
     s = sizes(cfg, seq_len, batch, rank, targets, quant, dtype)
-    weights = resident_weight_bytes(cfg, quant, dtype)
+    if weights is None:
+        weights = resident_weight_bytes(cfg, quant, dtype)
     return predict_sizes(s, weights, engine, optimizer, keep_tapes)
 
 

@@ -95,6 +95,12 @@ class Run:
     quant: QuantSpec | None = QuantSpec()
     dtype: torch.dtype = torch.float32
     optimizer: str = "adamw"
+    weights: int | None = None  # frozen weight bytes a file fixes (see memory.model.predict)
+
+    def resident(self, cfg: ModelConfig) -> int:
+        if self.weights is not None:
+            return self.weights
+        return resident_weight_bytes(cfg, self.quant, self.dtype)
 
     def predict(
         self, cfg: ModelConfig, engine: str, seq_len: int | None = None, keep_tapes: int = 0
@@ -111,6 +117,7 @@ class Run:
             self.dtype,
             self.optimizer,
             keep_tapes,
+            self.weights,
         )
 
 
@@ -124,7 +131,7 @@ def kept_tapes(budget_bytes: int, cfg: ModelConfig, run: Run = Run()) -> int:
     """How many of its last blocks' tapes mesp keeps within the budget: the largest k whose
     predicted peak stays within TAPE_FILL of it (0: every block recomputes, as plain mesp)."""
     s = sizes(cfg, run.seq_len, run.batch, run.rank, run.targets, run.quant, run.dtype)
-    weights = resident_weight_bytes(cfg, run.quant, run.dtype)
+    weights = run.resident(cfg)
 
     def fits(k: int) -> bool:
         total = predict_sizes(s, weights, "mesp", run.optimizer, k)["total"]
@@ -162,7 +169,7 @@ def longest_seq(
     """Largest sequence length (≤ max_len, default the model's maximum) whose predicted peak fits
     the budget, by bisection (the peak grows with S); 0 when not even one token fits."""
     s0 = sizes(cfg, 1, run.batch, run.rank, run.targets, run.quant, run.dtype)
-    weights = resident_weight_bytes(cfg, run.quant, run.dtype)
+    weights = run.resident(cfg)
 
     def fits(n: int) -> bool:
         s = sizes(cfg, n, run.batch, run.rank, run.targets, run.quant, run.dtype)

@@ -8,7 +8,7 @@ import os
 
 from mesp.data import DataConfig
 from mesp.errors import MespError
-from mesp.loading.info import config_of
+from mesp.loading.info import config_of, stored_weight_bytes
 from mesp.loading.session import ModelOptions
 from mesp.lora import LoraConfig
 from mesp.memory.model import predict
@@ -29,6 +29,7 @@ def check_budget(
         return None
     budget = parse_bytes(max_memory)
     cfg = config_of(opts)
+    weights = stored_weight_bytes(opts, cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # a data-parallel rank holds its slice
     rows = -(-train.batch_size // world)
 
@@ -36,7 +37,7 @@ def check_budget(
         return int(
             predict(
                 cfg, eng, seq, rows, rank, lora.targets, opts.quant, opts.torch_dtype,
-                train.optimizer,
+                train.optimizer, weights=weights,
             )["total"]
         )  # fmt: skip
 
@@ -73,8 +74,9 @@ def budget_tapes(
     if budget is None or engine != "mesp":
         return 0
     rows = -(-train.batch_size // int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = config_of(opts)
     run = Run(
         data.seq_len, rows, lora.rank, tuple(lora.targets), opts.quant, opts.torch_dtype,
-        train.optimizer,
+        train.optimizer, stored_weight_bytes(opts, cfg),
     )  # fmt: skip
-    return kept_tapes(budget, config_of(opts), run)
+    return kept_tapes(budget, cfg, run)
