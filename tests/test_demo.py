@@ -43,6 +43,7 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "valid perplexity" in out and "peak RSS" in out, out
+    assert "base llama.cpp's Q4_1 x210 (4-bit g32), Q8_0 x1 (8-bit g32) as stored" in out, out
     assert f"adapter in {tmp_path / 'demo'}" in out, out
     assert "== sample without the adapter" in out and "== sample with the adapter" in out
     assert (tmp_path / "demo" / "adapter_model.safetensors").exists()
