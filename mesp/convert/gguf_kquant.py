@@ -21,15 +21,16 @@ How a block is chosen (the algorithm of ggml-quants.c's make_qkx2_quants / make_
   the largest |x| to -32, then 18 nearby ones (-(32 + 0.1 i)/max), the one maximizing
   (sum w x l)^2 / sum w l^2 kept (the first on a tie). The sixteen scales are coded as int8
   multiples of d = max scale / -128, and x is rounded again.
-Rounding is to nearest, ties to even, as ggml's nearest_int, and the scales and products that
-are rounded are float32 as in C. The sums run in another order than the C loops, so where two
-candidates' errors tie to float32 rounding (or a weight's rounding tie hangs on the last bit of
-a fitted min) the search can take the other branch: a fit as good, not the same bytes as a
-given llama.cpp build (whose own bytes depend on its compiler's FMA contraction).
+Rounding is to nearest, ties to even, as ggml's nearest_int. Every float32 operation, sums
+included, runs in the C code's order (sums one term at a time), so the bytes equal those of
+ggml's quantize_row_q{4,5,6}_K_ref compiled without FMA contraction (tests/test_gguf_kquant.py
+holds known answers); a llama.cpp build that contracts a*b+c into FMA can differ where two
+candidate fits tie to the last bit.
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -45,50 +46,60 @@ def _f32_step(rmin: float, rdelta: float, i: int, nmax: int) -> np.float32:
     return f(f(f(rmin) + f(rdelta) * f(i)) + f(nmax))
 
 
+def _seq(a: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 one term at a time in float32, as the C loops add (and so with the
+    same rounding): a (k, n) array -> (n,)."""
+    total = a[0].copy()
+    for row in a[1:]:
+        total += row
+    return total
+
+
 def _affine_fit(
     x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sub-blocks x (n, 32) -> (scale, -min, codes) of the best affine fit (module docstring)."""
-    w = np.sqrt(np.mean(x * x, axis=1, keepdims=True)) + np.abs(x)
-    sum_w = w.sum(1)
-    sum_x = np.einsum("ij,ij->i", w, x)
-    lo = np.minimum(x.min(1), 0).astype(np.float32)
-    hi = x.max(1)
+    """Sub-blocks x (n, 32) -> (scale, -min, codes) of the best affine fit (module docstring).
+    Worked on as xt (32, n): per-sub-block values broadcast along the last axis, and each sum
+    runs over the 32 weights in order."""
+    f = np.float32
+    xt = np.ascontiguousarray(x.T, dtype=f)
+    w = np.sqrt(_seq(xt * xt) / f(len(xt))) + np.abs(xt)
+    sum_w = _seq(w)
+    sum_x = _seq(w * xt)
+    lo = np.minimum(xt.min(0), f(0))
+    hi = xt.max(0)
     flat = hi == lo
-    span = np.where(flat, np.float32(1), hi - lo)
+    span = np.where(flat, f(1), hi - lo)
     # the candidate that wins is remembered by how it rounds (iscale, min), not by its codes
-    iscale = (np.float32(nmax) / span).astype(np.float32)
+    iscale = f(nmax) / span
     code_min = lo.copy()
-    scale = (np.float32(1) / iscale).astype(np.float32)
+    scale = f(1) / iscale
     mn = lo.copy()
-    q = np.clip(np.rint(iscale[:, None] * (x - mn[:, None])), 0, nmax)
-    best = np.einsum("ij,ij->i", w, np.square(scale[:, None] * q + mn[:, None] - x))
+    q = np.clip(np.rint(iscale * (xt - mn)), 0, nmax)
+    best = _seq(w * np.square(scale * q + mn - xt))
     for i in range(nstep + 1):
         width = hi - mn
-        width = np.where(width == 0, np.float32(1), width)
-        isc = (_f32_step(rmin, rdelta, i, nmax) / width).astype(np.float32)
-        la = np.clip(np.rint(isc[:, None] * (x - mn[:, None])), 0, nmax)
+        isc = _f32_step(rmin, rdelta, i, nmax) / np.where(width == 0, f(1), width)
+        la = np.clip(np.rint(isc * (xt - mn)), 0, nmax)
         wl = w * la
-        sl = wl.sum(1)
-        sl2 = np.einsum("ij,ij->i", wl, la)
-        sxl = np.einsum("ij,ij->i", wl, x)
+        sl, sl2, sxl = _seq(wl), _seq(wl * la), _seq(wl * xt)
         det = sum_w * sl2 - sl * sl
         ok = det > 0
-        det = np.where(ok, det, np.float32(1))
+        det = np.where(ok, det, f(1))
         s = (sum_w * sxl - sum_x * sl) / det
         m = (sl2 * sum_x - sl * sxl) / det
         pos = m > 0  # a positive min is not representable: refit the scale through 0
-        s = np.where(pos, sxl / np.where(sl2 > 0, sl2, np.float32(1)), s)
-        m = np.where(pos, np.float32(0), m)
-        err = np.einsum("ij,ij->i", w, np.square(s[:, None] * la + m[:, None] - x))
+        s = np.where(pos, sxl / np.where(sl2 > 0, sl2, f(1)), s)
+        m = np.where(pos, f(0), m)
+        err = _seq(w * np.square(s * la + m - xt))
         win = ok & (err < best) & ~flat
         iscale = np.where(win, isc, iscale)
         code_min = np.where(win, mn, code_min)
-        scale = np.where(win, s, scale).astype(np.float32)
+        scale = np.where(win, s, scale)
         best = np.where(win, err, best)
-        mn = np.where(win, m, mn).astype(np.float32)
-    codes = np.clip(np.rint(iscale[:, None] * (x - code_min[:, None])), 0, nmax)
-    scale = np.where(flat, np.float32(0), scale)
+        mn = np.where(win, m, mn)
+    codes = np.clip(np.rint(iscale * (xt - code_min)), 0, nmax).T
+    scale = np.where(flat, f(0), scale)
     codes[flat] = 0
     return scale, -mn, codes.astype(np.uint8)
 
@@ -142,31 +153,34 @@ def _qk_affine(x: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _symmetric_scales(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sub-blocks x (n, 16) -> (scale, codes 0..63) of make_qx_quants(nmax 32, weights x^2)."""
+    """Sub-blocks x (n, 16) -> (scale, codes 0..63) of make_qx_quants(nmax 32, weights x^2),
+    worked on as (16, n) like _affine_fit."""
+    f = np.float32
     nmax = 32
-    idx = np.argmax(np.abs(x), axis=1)  # the first largest |x|, as the C loop's strict >
-    peak = np.take_along_axis(x, idx[:, None], axis=1)[:, 0]
+    xt = np.ascontiguousarray(x.T, dtype=f)
+    idx = np.argmax(np.abs(xt), axis=0)  # the first largest |x|, as the C loop's strict >
+    peak = np.take_along_axis(xt, idx[None], axis=0)[0]
     zero = np.abs(peak) < EPS
-    peak = np.where(zero, np.float32(1), peak)
-    w = x * x
-    wx = w * x
+    peak = np.where(zero, f(1), peak)
+    w = xt * xt
+    wx = w * xt
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lv = np.clip(np.rint(iscale[:, None] * x), -nmax, nmax - 1)
-        return np.einsum("ij,ij->i", wx, lv), np.einsum("ij,ij->i", w * lv, lv)
+        lv = np.clip(np.rint(iscale * xt), -nmax, nmax - 1)
+        return _seq(wx * lv), _seq(w * lv * lv)
 
-    iscale = (np.float32(-nmax) / peak).astype(np.float32)
+    iscale = f(-nmax) / peak
     sumlx, suml2 = fit(iscale)
-    scale = np.where(suml2 > 0, sumlx / np.where(suml2 > 0, suml2, 1), 0).astype(np.float32)
+    scale = np.where(suml2 > 0, sumlx / np.where(suml2 > 0, suml2, f(1)), f(0))
     best = scale * sumlx
     for i in (*range(-9, 0), *range(1, 10)):
-        isc = (-_f32_step(0.0, 0.1, i, nmax) / peak).astype(np.float32)
+        isc = -_f32_step(0.0, 0.1, i, nmax) / peak
         slx, sl2 = fit(isc)
         win = (sl2 > 0) & (slx * slx > best * sl2)
         iscale = np.where(win, isc, iscale)
-        scale = np.where(win, slx / np.where(sl2 > 0, sl2, 1), scale).astype(np.float32)
+        scale = np.where(win, slx / np.where(sl2 > 0, sl2, f(1)), scale)
         best = np.where(win, scale * slx, best)
-    codes = np.clip(np.rint(iscale[:, None] * x), -nmax, nmax - 1) + nmax
+    codes = (np.clip(np.rint(iscale * xt), -nmax, nmax - 1) + nmax).T
     scale[zero] = 0
     codes[zero] = 0
     return scale, codes.astype(np.uint8)
@@ -217,6 +231,6 @@ def quantize_k(w: np.ndarray, qtype: QT) -> np.ndarray:
             KQUANTS[qtype](blocks[i : i + ROWS_PER_CHUNK])
             for i in range(0, len(blocks), ROWS_PER_CHUNK)
         ]
-        or [np.empty((0, 0), np.uint8)]
+        or [np.empty((0, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8)]
     )
-    return out.reshape(*w.shape[:-1], -1)
+    return out.reshape(*w.shape[:-1], w.shape[-1] // QK_K * gguf.GGML_QUANT_SIZES[qtype][1])
