@@ -25,6 +25,7 @@ from mesp.ondevice.lower import fnv1a64, lower
 from mesp.ondevice.steps import Flat
 from tests import test_export as T
 from tests.et_cases import TILE, B, EtCase, S
+from tests.tolerances import gemm_tol
 
 pytest.importorskip("executorch")
 
@@ -117,7 +118,8 @@ def test_frozen_weights_are_inputs_never_planned() -> None:
     low = lower(Flat(fn, ["x", "w"], ["y"]), [x, w], {})
     assert sum(low.planned) < w.nbytes // 16, low.planned
     (y,) = _run_pte(low.pte, [x, w])
-    torch.testing.assert_close(y, x @ w)
+    rtol, atol = gemm_tol(512)  # XNNPACK's summation order is not torch's (randn · randn)
+    torch.testing.assert_close(y, x @ w, rtol=rtol, atol=atol)
 
 
 def _run_pte(pte: bytes, args: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -139,7 +141,8 @@ def test_addmm_keeps_its_added_term() -> None:
     low = lower(Flat(fn, ["c", "a", "b"], ["y"]), [c, a, b], {})
     assert low.delegated >= 1
     (y,) = _run_pte(low.pte, [c, a, b])
-    torch.testing.assert_close(y, 0.5 * c + 2.0 * (a @ b), rtol=1e-5, atol=1e-5)
+    rtol, atol = gemm_tol(16, scale=2.0)  # alpha doubles the products
+    torch.testing.assert_close(y, 0.5 * c + 2.0 * (a @ b), rtol=rtol, atol=atol)
 
 
 def test_tanh_gelu_stays_exact() -> None:
@@ -154,7 +157,9 @@ def test_tanh_gelu_stays_exact() -> None:
     assert low.delegated >= 1
     (y,) = _run_pte(low.pte, [x, w])
     ref = F.gelu(x * w, approximate="tanh")
-    assert float((y - ref).abs().max()) < 1e-6
+    # the runtime's tanh is libm's, ATen's is vectorized per CPU: a few ulp of the largest value
+    ulps = 8 * torch.finfo(torch.float32).eps * float(ref.abs().max())
+    assert float((y - ref).abs().max()) <= ulps
     assert float((F.gelu(x * w) - ref).abs().max()) > 1e-4  # the erf form would be caught
 
 
