@@ -101,10 +101,13 @@ def test_export_directory_and_files_get_the_umask_mode(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(tmp_path: Path) -> None:
-    """SIGTERM to `mesp train --nproc 2` ended it at once, leaving an empty
-    $TMPDIR/mesp-ranks-*.json and the agent running. It is passed on: the ranks save and stop,
-    the report goes, and the launcher exits 128 + SIGTERM."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
+    """A signal to `mesp train --nproc 2` (SIGTERM from a supervisor, SIGINT from `kill -INT`)
+    left an empty $TMPDIR/mesp-ranks-*.json behind, and the ranks never heard of it. It is
+    passed on: the ranks save and stop, the report goes, and the launcher exits 128 + it."""
     model = make_model_dir(tmp_path / "m", "llama")
     data = make_jsonl(tmp_path / "d.jsonl", 30)
     tmp, out = tmp_path / "tmp", tmp_path / "run"
@@ -119,9 +122,9 @@ def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(tmp_path: Pat
         assert p.poll() is None, p.communicate()[1].decode()[-2000:]
         time.sleep(0.1)
     assert list(tmp.glob("mesp-ranks-*.json"))  # the report exists while the ranks run
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(sig)
     err = p.communicate(timeout=120)[1].decode()
-    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert p.returncode == 128 + sig, err[-2000:]
     assert not list(tmp.glob("mesp-ranks-*")), err[-2000:]
     assert (out / "adapter_model.safetensors").exists()  # the ranks saved as they stopped
     left = subprocess.run(["pgrep", "-f", f"mesp.*{out}"], capture_output=True, text=True)
