@@ -152,3 +152,15 @@ def test_torchaos_import_noise_is_not_printed_as_mesp_warnings(tmp_path: Path) -
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert lines[0].startswith("mesp: error: ") and lines[1:] == ["mesp: warning: own"], lines
+
+
+def test_the_runners_adapter_gets_the_umask_mode(tmp_path: Path) -> None:
+    """`mesp run-artifacts` / mesp.runner wrote the trained adapter through mkstemp: 0600."""
+    from mesp.ondevice import runner
+
+    old = os.umask(0o022)
+    try:
+        runner._atomic(tmp_path / "adapter_model.safetensors", lambda p: Path(p).write_bytes(b"x"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "adapter_model.safetensors").stat().st_mode) == 0o644

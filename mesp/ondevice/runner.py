@@ -394,6 +394,9 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
             write(tmp)
         except SafetensorError as e:
             raise OSError(str(e).splitlines()[0]) from None
+        mask = os.umask(0)  # mkstemp's 0600 would hide the adapter from other users: a plain
+        os.umask(mask)  # open()'s mode instead
+        os.chmod(tmp, 0o666 & ~mask)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
