@@ -23,6 +23,7 @@ from gguf import LlamaFileType as FT
 from mesp.atomic_io import atomic_write
 from mesp.convert.gguf_model import ARCHS, gguf_names, permute_rows
 from mesp.errors import MespError
+from mesp.loading.hub import adapter_dir
 from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import check_output_dir, load_adapter
 
@@ -55,7 +56,7 @@ def export_adapter(opts: ModelOptions, e: ExportAdapterOptions) -> str:
     qtype, ftype = ADAPTER_TYPES[e.gguf_type]
     check_output_dir(out.parent)
     loaded = open_model(opts)  # the base only names and shapes the tensors; any precision does
-    lcfg = load_adapter(loaded.model, Path(e.adapter))
+    lcfg = load_adapter(loaded.model, adapter_dir(e.adapter))
     cfg = loaded.model.config
     mods = loaded.model.lora_modules()
     names = gguf_names(cfg, [f"{n}.weight" for n in mods])

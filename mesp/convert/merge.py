@@ -22,6 +22,7 @@ from mesp.convert.gguf_model import DEFAULT_TYPE, GGUF_TYPES, LazyTensor, write_
 from mesp.convert.gguf_vocab import vocab_kvs
 from mesp.errors import MespError
 from mesp.loading.build import expected_tensors
+from mesp.loading.hub import adapter_dir
 from mesp.loading.session import ModelOptions, open_model
 from mesp.loading.tokenizer import Tokenizer
 from mesp.lora import check_output_dir, load_adapter, merge_lora, merged_weight
@@ -163,10 +164,10 @@ def merge(opts: ModelOptions, m: MergeOptions) -> str:
     check_output_dir(out)
     # the base is read at full precision; --quantize applies to the merged weights
     loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype=opts.dtype))
-    cfg = load_adapter(loaded.model, Path(m.adapter))
+    cfg = load_adapter(loaded.model, adapter_dir(m.adapter))
     merge_into_base(loaded.model, opts.quant)
     write_model_dir(loaded.model, loaded.tokenizer, out)
-    how = f"{opts.quantize}-bit (MLX layout)" if opts.quant else opts.dtype
+    how = f"{opts.quant.bits}-bit (MLX layout)" if opts.quant else opts.dtype
     return f"mesp: merged rank-{cfg.rank} adapter {m.adapter} into {loaded.source}; {how} in {out}"
 
 
@@ -185,7 +186,7 @@ def merge_to_gguf(opts: ModelOptions, m: MergeOptions) -> str:
     check_output_dir(out.parent)
     # merged in float32 whatever --dtype says: the file's type decides the precision
     loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype="float32"))
-    cfg = load_adapter(loaded.model, Path(m.adapter))
+    cfg = load_adapter(loaded.model, adapter_dir(m.adapter))
     vocab = vocab_kvs(loaded, loaded.model.config.vocab_size)  # fail before the merge
     name = Path(loaded.source).stem if Path(loaded.source).suffix else Path(loaded.source).name
     # each weight is merged (and quantized) only as the file reaches it
