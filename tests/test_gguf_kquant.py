@@ -21,6 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as QT
 
 from mesp.convert.gguf_kquant import quantize_k
@@ -191,9 +192,26 @@ def test_k_quant_merge_reads_in_transformers(
     # this random model turns a weight error e into a logit error ~5 e (Gaussian noise of the
     # same size does the same): the tolerance is 7x the file's worst weight bound
     assert err < 7 * max(BOUND[own], BOUND[QT.Q6_K])
+    _reads_back_as_stored(out, got)
     q4_0 = _merge(base, tmp_path, "q4_0.gguf", "--gguf-type", "q4_0")
     worse = (_transformers_logits(q4_0) - ref).square().mean().sqrt() / ref.square().mean().sqrt()
     assert err < float(worse)  # and every mix beats plain Q4_0, as llama.cpp's do
+
+
+def _reads_back_as_stored(path: Path, decoded: dict[str, tuple[QT, np.ndarray]]) -> None:
+    """mesp trains the file it wrote on its codes as stored: each weight equals gguf's decoding
+    (llama's q/k rows in HF order: GGUFFile.tensor undoes the converter's permutation)."""
+    from mesp.loading import load_model
+    from mesp.loading.gguf import GGUFFile
+    from mesp.models.linear import FrozenWeight
+
+    model = load_model(path, keep_stored=True).model
+    with GGUFFile(path) as g:
+        for name, mod in model.named_modules():
+            if isinstance(mod, FrozenWeight) and g.qtype(f"{name}.weight") != QT.F32:
+                assert mod.quant is not None, name
+                assert torch.equal(mod.dense(torch.float32), g.tensor(f"{name}.weight")), name
+    assert len({qt for qt, _ in decoded.values()} - {QT.F32}) >= 1
 
 
 def test_unknown_type_lists_the_k_quants(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
