@@ -122,3 +122,27 @@ def test_requantize_says_what_it_costs(tmp_path: Path, caplog: pytest.LogCapture
     assert any(
         isinstance(m, FrozenWeight) and m.quant == QuantSpec(4, 64) for m in loaded.model.modules()
     )
+
+
+def test_resume_fingerprint_names_the_base() -> None:
+    """`--quantize auto` is 4-bit on an HF source, so a run saved as `--quantize 4` resumes
+    under the new default; a GGUF's codes as stored are another base, recorded as such."""
+    from types import SimpleNamespace
+
+    from mesp.data import DataConfig
+    from mesp.loading.session import ModelOptions
+    from mesp.lora import LoraConfig
+    from mesp.training.checkpoint import fingerprint
+    from mesp.training.config import TrainConfig
+
+    model = SimpleNamespace(config=SimpleNamespace(to_hf=dict))
+
+    def fp(quantize: str, base: str = "") -> object:
+        loaded = SimpleNamespace(source="m", model=model, base=base)
+        opts = ModelOptions(model="m", quantize=quantize)
+        fp = fingerprint(loaded, opts, "mesp", {}, DataConfig(), LoraConfig(), TrainConfig())
+        return fp["quantize"]
+
+    assert fp("auto") == fp("4") == "4"
+    assert fp("auto", "llama.cpp's Q4_1 x2 (4-bit g32) as stored") == "stored"
+    assert fp("none") == "none"

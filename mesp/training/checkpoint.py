@@ -171,7 +171,9 @@ def fingerprint(
     fp = {
         "model": loaded.source,
         "model_config": loaded.model.config.to_hf(),
-        "quantize": opts.quantize,
+        # auto is 4-bit but for a quantized GGUF's codes as stored: record which, so a run
+        # started as `--quantize 4` resumes under the auto default where the base is the same
+        "quantize": "stored" if loaded.base else "4" if opts.quantize == "auto" else opts.quantize,
         "group_size": opts.group_size,
         "dtype": opts.dtype,
         "engine": engine,
