@@ -44,6 +44,9 @@ class Batch:
     input_ids: torch.Tensor  # LongTensor (B, S)
     targets: torch.Tensor  # LongTensor (B, S)
     mask: torch.Tensor  # BoolTensor (B, S)
+    # per-token loss weights (B, S) or None (all 1): a preference objective's loss head puts
+    # d loss / d(sequence log-prob) here, so the engines' backward is SFT's (engines/objective.py)
+    weights: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -51,7 +54,8 @@ class Batch:
         return int(self.mask.sum().item())
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.input_ids.to(device), self.targets.to(device), self.mask.to(device))
+        w = None if self.weights is None else self.weights.to(device)
+        return Batch(self.input_ids.to(device), self.targets.to(device), self.mask.to(device), w)
 
 
 def collate(examples: Sequence[Example], pad_id: int = 0) -> Batch:

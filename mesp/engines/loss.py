@@ -103,6 +103,9 @@ def autograd_loss_sum(
     # per-row losses in fp32, their sum in fp64 (as the chunked CE): the reported loss then
     # does not depend on how rows are grouped; gradients are those of the fp32 row losses
     rows = F.cross_entropy(z.float(), tgt.to(dev), ignore_index=IGNORE, reduction="none")
+    if batch.weights is not None:  # a preference objective's per-token weights (objective.py)
+        w = batch.weights.reshape(-1).to(device=dev, dtype=rows.dtype)
+        rows = rows * (w[batch.mask.reshape(-1).to(dev)] if spec.mask_logits else w)
     return rows.sum(dtype=torch.float64)
 
 

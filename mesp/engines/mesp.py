@@ -109,6 +109,7 @@ class MeSPEngine:
             model.config.final_logit_softcapping,
             normalizer=normalizer,
             opts=self.loss.ce_options(self.chunk_rows, self.vocab_chunk),
+            weights=batch.weights,
         )
         del hn
         g = norm_bwd(dhn, h, norm)

@@ -183,6 +183,7 @@ def _run(
     opts: CEOptions,
     normalizer: float | None,
     grad: bool,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, int, Tensor | None]:
     vocab = head.out_features
     h2, ids, tgt = _select(h, targets, mask, vocab)
@@ -206,6 +207,9 @@ def _run(
     else:  # every row forms logits; untrained rows weigh 0 (target 0 is a placeholder)
         hs, rw = h2, mask.reshape(-1).to(device=h.device, dtype=ct)
         tgt = torch.zeros(h2.shape[0], dtype=tgt.dtype, device=h.device).index_copy_(0, ids, tgt)
+    if weights is not None:  # per-token loss weights (a preference objective's, see engines)
+        w = weights.reshape(-1).to(device=h.device, dtype=ct)
+        rw = w.index_select(0, ids) if rw is None else rw * w
     rows = opts.chunk_rows or hs.shape[0]
     vchunk = opts.vocab_chunk if opts.vocab_chunk and opts.vocab_chunk < vocab else None
     if opts.vocab_subset is not None:
@@ -224,7 +228,7 @@ def _run(
         loss, dhs = _sliced_head(hs, tgt, head, softcap, rows, vchunk, norm, rw)
     if dhs is None:
         return loss, n, None
-    if rw is not None:
+    if not opts.mask_logits:  # every row has its dh already
         return loss, n, dhs.view(h.shape)
     dh = torch.zeros_like(h2).index_copy_(0, ids, dhs)  # zero at untrained rows
     return loss, n, dh.view(h.shape)
@@ -240,6 +244,7 @@ def chunked_ce_loss_and_grad(
     vocab_chunk: int | None = None,
     normalizer: float | None = None,
     opts: CEOptions | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, int, Tensor]:
     """h (N, D) (or (B, S, D)) final-normed states, targets/mask (N,) -> (summed loss over
     trained rows, as a 0-d fp64 tensor (row losses in fp32, or fp64 for fp64 h); their
@@ -247,9 +252,10 @@ def chunked_ce_loss_and_grad(
     dh is the gradient of loss_sum / normalizer (default n, i.e. of the mean loss):
     with p = softmax(z), ∂loss/∂z = p − onehot(target); z = cap·tanh(u/cap) adds the factor
     1 − tanh²(u/cap); u = h Wᵀ gives dh = du W. Rows with mask False get zeros.
-    `opts`, when given, replaces chunk_rows / vocab_chunk."""
+    `opts`, when given, replaces chunk_rows / vocab_chunk. `weights` (like targets): each
+    token's loss counts that many times, in the sum and in dh."""
     o = opts or CEOptions(chunk_rows, vocab_chunk)
-    loss, n, dh = _run(h, targets, mask, head, softcap, o, normalizer, grad=True)
+    loss, n, dh = _run(h, targets, mask, head, softcap, o, normalizer, True, weights)
     assert dh is not None
     return loss, n, dh
 

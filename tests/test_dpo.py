@@ -1,0 +1,149 @@
+"""Preference objectives are exact: bp's DPO / ORPO gradients equal a hand-written autograd
+loss over full logits (and over HF + PEFT, adapter disabled for the reference); mebp's and
+mesp's equal bp's. Pairs are rows (2i, 2i+1) of the batch: (chosen, rejected)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mesp.batch import Batch
+from mesp.engines import make_engine
+from mesp.engines.loss import LossSpec
+from mesp.engines.objective import Objective, PreferenceEngine, adapters_off
+from mesp.errors import MespError
+from mesp.lora import LoraConfig, apply_lora
+from tests.engine_cases import DEVICE, assert_grads_match, model_with_adapter, padded_batch
+from tests.hf_tiny import hf_model, mesp_from_hf
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+DPO, ORPO = Objective("dpo", beta=0.7), Objective("orpo", orpo_lambda=0.6)
+
+
+def pair_batch() -> Batch:
+    """Two pairs; rows of different lengths, a masked prompt of 4 tokens, right padding."""
+    return padded_batch(b=4, s=17)
+
+
+def logps(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """(B,) summed log-probs of the masked targets, from full logits (B, S, V)."""
+    lp = F.log_softmax(logits.float(), -1).gather(-1, batch.targets[..., None]).squeeze(-1)
+    return (lp * batch.mask).sum(1)
+
+
+def written_out_loss(obj: Objective, pol: torch.Tensor, ref: torch.Tensor, batch: Batch):  # type: ignore[no-untyped-def]
+    """TRL's formulas, transcribed independently of mesp.engines.objective."""
+    c, r = pol[0::2], pol[1::2]
+    if obj.kind == "dpo":
+        logits = (c - r) - (ref[0::2] - ref[1::2])
+        return -F.logsigmoid(obj.beta * logits).mean()
+    n = batch.mask.sum(1).float()
+    mc, mr = c / n[0::2], r / n[1::2]
+    log_odds = (mc - mr) - (torch.log1p(-torch.exp(mc)) - torch.log1p(-torch.exp(mr)))
+    nll = -c.sum() / n[0::2].sum()
+    return nll - obj.orpo_lambda * F.logsigmoid(log_odds).mean()
+
+
+def engine_grads(engine, model, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    for p in model.lora_parameters():
+        p.grad = None
+    loss = engine.step(model, batch, 1)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reference_grads(model, batch: Batch, obj: Objective) -> tuple[float, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    for p in model.lora_parameters():
+        p.grad = None
+    with torch.no_grad(), adapters_off(model):
+        ref = logps(model(batch.input_ids), batch)
+    loss = written_out_loss(obj, logps(model(batch.input_ids), batch), ref, batch)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("obj", [DPO, ORPO], ids=["dpo", "orpo"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bp_equals_written_out_loss(family: str, obj: Objective) -> None:
+    model, batch = model_with_adapter(family), pair_batch()
+    loss_ref, g_ref = reference_grads(model, batch, obj)
+    loss_bp, g_bp = engine_grads(PreferenceEngine(make_engine("bp"), obj), model, batch)
+    assert loss_bp == pytest.approx(loss_ref, rel=1e-5)
+    assert_grads_match(g_ref, g_bp)
+    assert all(torch.count_nonzero(g) > 0 for g in g_bp.values())
+
+
+@pytest.mark.parametrize("obj", [DPO, ORPO], ids=["dpo", "orpo"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mesp_and_mebp_equal_bp(family: str, obj: Objective) -> None:
+    model, batch = model_with_adapter(family), pair_batch()
+    loss_bp, g_bp = engine_grads(PreferenceEngine(make_engine("bp"), obj), model, batch)
+    unmasked = LossSpec(mask_logits=False)  # logits for every row: untrained ones weigh 0
+    runs = [
+        ("mebp", {}),
+        ("mesp", {"chunk_rows": 7, "vocab_chunk": 64}),  # vocabulary slices (one-pass head)
+        ("mesp", {"chunk_rows": None, "vocab_chunk": None}),  # the dense head
+        ("mesp", {"chunk_rows": 5, "vocab_chunk": 64, "loss": unmasked}),
+        ("bp", {"loss": unmasked}),
+    ]
+    for name, kw in runs:
+        loss, g = engine_grads(PreferenceEngine(make_engine(name, **kw), obj), model, batch)
+        assert loss == pytest.approx(loss_bp, rel=1e-6), name
+        assert_grads_match(g_bp, g)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the HF oracle runs on the CPU")
+@pytest.mark.parametrize("obj", [DPO, ORPO], ids=["dpo", "orpo"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bp_equals_hf_peft(family: str, obj: Objective, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The oracle of issue 30 item 5: the same written-out loss over HF + PEFT, the reference
+    being PEFT's model with its adapter disabled."""
+    from peft import PeftModel
+
+    from mesp.lora import save_adapter
+
+    hf = hf_model(family)
+    ours = mesp_from_hf(hf)
+    cfg = LoraConfig(rank=3, alpha=7.0)
+    apply_lora(ours, cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in ours.lora_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    save_adapter(ours, tmp_path / "ad", cfg)
+    peft = PeftModel.from_pretrained(hf, str(tmp_path / "ad"), is_trainable=True).eval()
+    batch = pair_batch()
+    with torch.no_grad(), peft.disable_adapter():
+        ref = logps(peft(batch.input_ids).logits, batch)
+    loss = written_out_loss(obj, logps(peft(batch.input_ids).logits, batch), ref, batch)
+    loss.backward()
+    g_hf = {
+        n.removeprefix("base_model.model.").replace(".default.weight", ""): p.grad
+        for n, p in peft.named_parameters()
+        if p.requires_grad
+    }
+    loss_bp, g_bp = engine_grads(PreferenceEngine(make_engine("bp"), obj), ours, batch)
+    assert loss_bp == pytest.approx(loss.item(), rel=1e-4)
+    assert_grads_match(g_hf, g_bp)
+
+
+def test_refusals() -> None:
+    with pytest.raises(MespError, match="mezo"):
+        PreferenceEngine(make_engine("mezo"), DPO)
+    with pytest.raises(MespError, match="--objective"):
+        Objective("kto")
+    model, batch = model_with_adapter("llama"), padded_batch(b=3)
+    with pytest.raises(MespError, match="even"):
+        PreferenceEngine(make_engine("bp"), DPO).step(model, batch, 1)
+
+
+def test_adapters_off_is_the_base() -> None:
+    model, batch = model_with_adapter("qwen2"), pair_batch()
+    with torch.no_grad():
+        with adapters_off(model):
+            off = model(batch.input_ids)
+        on = model(batch.input_ids)
+        for m in model.lora_modules().values():
+            m.remove_lora()
+        base = model(batch.input_ids)
+    assert torch.equal(off, base) and not torch.equal(on, base)
