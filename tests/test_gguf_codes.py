@@ -146,3 +146,22 @@ def test_resume_fingerprint_names_the_base() -> None:
     assert fp("auto") == fp("4") == "4"
     assert fp("auto", "llama.cpp's Q4_1 x2 (4-bit g32) as stored") == "stored"
     assert fp("none") == "none"
+
+
+def test_plan_counts_the_stored_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`mesp plan` on a quantized GGUF predicts the weights it will hold as stored, exactly."""
+    import json
+
+    from mesp.cli import main
+
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama")
+    held = sum(
+        b.numel() * b.element_size() for b in load_model(path, keep_stored=True).model.buffers()
+    )
+    assert main(["plan", "--memory", "1GB", "--model", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["quant"] == "as stored"
+    assert plan["engines"]["mesp"]["weights"] == held
+    assert main(["plan", "--memory", "1GB", "--model", str(path), "--quantize", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quant"] == "4-bit group 64"

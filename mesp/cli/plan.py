@@ -23,7 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--seq-len", type=int, default=256, help="positions per row")
     s.add_argument("--rank", type=int, default=8, help="LoRA rank")
     s.add_argument("--batch-size", type=int, default=1, help="rows per micro-batch")
-    s.add_argument("--quantize", default="4", choices=("none", "4", "8"), help="base weights")
+    s.add_argument(
+        "--quantize",
+        default="auto",
+        choices=("auto", "none", "4", "8"),
+        help="base weights (auto: a quantized GGUF's codes as stored, otherwise 4-bit)",
+    )
     s.add_argument("--group-size", type=int, default=64, help="quantization group size")
     s.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="compute dtype")
     s.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
@@ -76,13 +81,16 @@ def _positive(ns: argparse.Namespace, *names: str) -> None:
 
 
 def run_plan(ns: argparse.Namespace) -> int:
+    from mesp.loading.info import stored_weight_bytes
     from mesp.memory.plan import Run, format_plan, model_config, parse_bytes, plan
     from mesp.quant import QuantSpec
 
     _positive(ns, "seq_len", "rank", "batch_size")
     budget = parse_bytes(ns.memory)
     cfg, name = model_config(ns.model)
-    quant = None if ns.quantize == "none" else QuantSpec(int(ns.quantize), ns.group_size)
+    bits = 4 if ns.quantize == "auto" else 0 if ns.quantize == "none" else int(ns.quantize)
+    quant = QuantSpec(bits, ns.group_size) if bits else None
+    opts = ModelOptions(model=ns.model, quantize=ns.quantize, dtype=ns.dtype)
     run = Run(
         ns.seq_len,
         ns.batch_size,
@@ -90,6 +98,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         quant=quant,
         dtype=DTYPES[ns.dtype],
         optimizer=ns.optimizer,
+        weights=stored_weight_bytes(opts, cfg),  # a GGUF's codes as stored: their exact bytes
     )
     result = plan(budget, cfg, name, run)
     print(json.dumps(result) if ns.json else format_plan(result))

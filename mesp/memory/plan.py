@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -198,9 +198,13 @@ def plan(budget_bytes: int, cfg: ModelConfig, name: str, run: Run = Run()) -> di
             **p,
             "fits": int(p["total"]) <= budget_bytes,
             "longest_seq": longest_seq(budget_bytes, cfg, eng, run),
-            "largest_model": largest_model(budget_bytes, ladder, eng, run)["largest"],
+            # the family's other sizes have no file: their weights follow from run.quant
+            "largest_model": largest_model(budget_bytes, ladder, eng, replace(run, weights=None))[
+                "largest"
+            ],
         }
     q = run.quant
+    stored = run.weights is not None
     tapes = kept_tapes(budget_bytes, cfg, run) if engines["mesp"]["fits"] else 0
     engines["mesp"]["budget_tapes"] = {
         "kept": tapes,
@@ -216,7 +220,9 @@ def plan(budget_bytes: int, cfg: ModelConfig, name: str, run: Run = Run()) -> di
         "batch": run.batch,
         "rank": run.rank,
         "targets": list(run.targets),
-        "quant": "none" if q is None else f"{q.bits}-bit group {q.group_size}",
+        "quant": "as stored"
+        if stored
+        else ("none" if q is None else f"{q.bits}-bit group {q.group_size}"),
         "dtype": str(run.dtype).removeprefix("torch."),
         "optimizer": run.optimizer,
         "engines": engines,
