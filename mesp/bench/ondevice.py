@@ -43,7 +43,7 @@ class OndeviceConfig:
     lr: float = 1e-4
 
 
-def _export(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
+def export_programs(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
     """Export (minutes: lowering is single-threaded Python), or reuse the export of a previous
     run made by the same command (recorded beside it). -> seconds taken, None when reused."""
     argv = ["-m", "mesp.cli", "export", "--model", f"random:{c.shape}"]
@@ -63,7 +63,7 @@ def _export(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
     return time.perf_counter() - t0
 
 
-def _rows(c: OndeviceConfig, vocab: int, path: Path) -> Path:
+def rows_file(c: OndeviceConfig, vocab: int, path: Path) -> Path:
     g = torch.Generator().manual_seed(1)
     n = c.steps * c.batch
     ids = torch.randint(0, vocab, (n, c.seq + 1), generator=g).tolist()
@@ -71,15 +71,20 @@ def _rows(c: OndeviceConfig, vocab: int, path: Path) -> Path:
     return path
 
 
-def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[str, Any]:
+def native_argv(c: OndeviceConfig, art: Path, data: Path, out: Path, log: Path) -> list[str]:
+    """The native runner's command line: c.steps SGD steps on data, a JSON line per step."""
     from mesp.ondevice.native import binary
 
+    argv = [str(binary()), str(art), "--data", str(data), "--steps", str(c.steps)]
+    return argv + ["--lr", repr(c.lr), "--out", str(out), "--json-log", str(log), "--quiet"]
+
+
+def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[str, Any]:
     conf = json.loads((art / "run_config.json").read_text())
-    data = _rows(c, conf["model"]["vocab_size"], work / "rows.jsonl")
+    data = rows_file(c, conf["model"]["vocab_size"], work / "rows.jsonl")
     log, out = work / "native.jsonl", work / "adapter"
     shutil.rmtree(out, ignore_errors=True)
-    argv = [str(binary()), str(art), "--data", str(data), "--steps", str(c.steps)]
-    argv += ["--lr", repr(c.lr), "--out", str(out), "--json-log", str(log), "--quiet"]
+    argv = native_argv(c, art, data, out, log)
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     if r.returncode != 0:
         raise MespError(f"native runner failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -133,7 +138,7 @@ def run_ondevice(
     work = out / "runs" / f"ondevice-{c.shape}"
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    export_s = _export(c, work / "art", timeout)
+    export_s = export_programs(c, work / "art", timeout)
     native = _native(c, work / "art", work, timeout)
     engine = _engine(c, timeout)
     row = {

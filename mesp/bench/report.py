@@ -14,7 +14,7 @@ from typing import Any
 
 from mesp.bench import decode as bench_decode
 from mesp.bench import dequant as bench_dequant
-from mesp.bench import dropin_report
+from mesp.bench import dropin_report, ondevice_cap
 from mesp.bench import ladder as bench_ladder
 from mesp.bench import ondevice as bench_ondevice
 from mesp.bench import profile as bench_profile
@@ -255,6 +255,7 @@ def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
     lines += bench_decode.section(rows)
     lines += dropin_report.section(rows)
     lines += bench_ondevice.section(rows)
+    lines += ondevice_cap.section(rows)
     lines += cuda_section(rows)
     for dt in dtypes:
         comp = composition(rows, dt)

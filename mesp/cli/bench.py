@@ -109,6 +109,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tables: untracked steps of the memory child whose RSS rise is measured (the "
         "time child runs --steps, without the RSS malloc setting)",
     )
+    p.add_argument(
+        "--memory-cap",
+        type=float,
+        default=None,
+        help="ondevice: run the native runner inside a memory cgroup of this many MB (no swap)",
+    )
+    p.add_argument(
+        "--find-cap",
+        action="store_true",
+        help="ondevice: bisect (to 8 MB) the smallest cap in which 3 steps complete, for the "
+        "native runner and for mesp train",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument(
@@ -156,6 +168,8 @@ def run(ns: argparse.Namespace) -> int:
     from mesp.bench.tables import BenchOptions, run_table, summary
     from mesp.bench.targets import cpu_dtype
 
+    if ns.table != "ondevice" and (ns.memory_cap is not None or ns.find_cap):
+        raise MespError("--memory-cap and --find-cap are for mesp bench ondevice")
     if ns.table == "dropin":
         return bench_studies.run_dropin(ns)
     if ns.table == "dequant":

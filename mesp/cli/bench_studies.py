@@ -180,15 +180,31 @@ def run_ondevice(ns: argparse.Namespace) -> int:
     seq, rank = (ns.seq or (256,))[0], (ns.rank or (8,))[0]
     parts = ["mesp", "bench", "ondevice", "--shapes", ",".join(shapes), "--seq", str(seq)]
     parts += ["--rank", str(rank), "--steps", str(ns.steps), "--out", str(ns.out)]
+    if ns.memory_cap is not None and ns.memory_cap <= 0:
+        raise MespError(f"--memory-cap must be a positive number of MB, got {ns.memory_cap:g}")
+    capped = ns.memory_cap is not None or ns.find_cap
+    if ns.memory_cap is not None:
+        parts += ["--memory-cap", f"{ns.memory_cap:g}"]
+    if ns.find_cap:
+        parts.append("--find-cap")
     cmd = shlex.join(parts + (["--markdown", str(ns.markdown)] if ns.markdown else []))
 
     def measure() -> list[dict[str, Any]]:
+        from mesp.bench.ondevice_cap import run_caps
+
         rows = []
         for shape in shapes:
             c = OndeviceConfig(shape=shape, seq=seq, rank=rank, steps=ns.steps + 1)
-            rows += run_ondevice(ns.out, c, cmd, ns.timeout)
+            if capped:
+                rows += run_caps(ns.out, c, cmd, ns.memory_cap, ns.find_cap, ns.timeout)
+            else:
+                rows += run_ondevice(ns.out, c, cmd, ns.timeout)
         return rows
 
+    if capped:
+        from mesp.bench.ondevice_cap import line as cap_line
+
+        return measure_then_report(ns, measure, cap_line)
     return measure_then_report(ns, measure, line)
 
 
