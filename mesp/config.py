@@ -20,7 +20,18 @@ MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # multimodal wrapper config; we take its text_config
+    "mistral": "mistral",
+    "smollm3": "smollm3",
+    "granite": "granite",
 }
+# rope_theta when config.json names none (transformers' default_theta per family)
+DEFAULT_THETA = {"gemma3": 1_000_000.0, "smollm3": 2_000_000.0}
+GRANITE_KEYS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+)
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -54,6 +65,14 @@ class ModelConfig:
     sliding_window: int | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # SmolLM3: per layer, whether it rotates q/k (HF's no_rope_layers: 1 = RoPE, 0 = NoPE)
+    rope_layers: list[bool] = field(default_factory=list)
+    # Granite: embeddings × embedding_multiplier, each residual branch × residual_multiplier,
+    # softmax scale attention_multiplier (instead of 1/√head_dim), logits ÷ logits_scaling
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -61,6 +80,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = [FULL] * self.num_hidden_layers
+        if not self.rope_layers:
+            self.rope_layers = [True] * self.num_hidden_layers
         if self.num_attention_heads % self.num_key_value_heads:
             raise MespError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -71,10 +92,18 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
+        if len(self.rope_layers) != self.num_hidden_layers:
+            raise MespError(
+                f"no_rope_layers has {len(self.rope_layers)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
 
     @property
     def attn_scale(self) -> float:
-        """Softmax scale: Gemma3 uses query_pre_attn_scalar, the rest 1/sqrt(head_dim)."""
+        """Softmax scale: Gemma3 uses query_pre_attn_scalar, Granite attention_multiplier, the
+        rest 1/sqrt(head_dim)."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
         return 1.0 / math.sqrt(base)
 
@@ -103,7 +132,9 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
+                tie_word_embeddings=bool(
+                    d.get("tie_word_embeddings", family in ("gemma3", "smollm3"))
+                ),
                 # Qwen2 always has q/k/v biases; HF's Qwen2 config has no key for it
                 attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
@@ -127,7 +158,10 @@ class ModelConfig:
             )
             if d.get("attn_logit_softcapping"):
                 raise MespError(f"{source}: attn_logit_softcapping (Gemma 2) is not supported")
+        cfg.update(_new_families(d, family, n_layers, source))
         cfg["rope"] = _rope_from_hf(d, family)
+        if SLIDING in cfg.get("layer_types", []) and SLIDING not in cfg["rope"]:
+            cfg["rope"][SLIDING] = cfg["rope"][FULL]  # one RoPE for both (Mistral, SmolLM3)
         return cls(**cfg)
 
     @classmethod
@@ -145,8 +179,16 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """An HF-style config.json dict (new-style rope_parameters plus legacy keys)."""
         mt = {"gemma3": "gemma3_text"}.get(self.family, self.family)
-        d = {k: v for k, v in asdict(self).items() if k not in ("family", "rope")}
+        skip = ("family", "rope", "rope_layers", *GRANITE_KEYS)
+        d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["model_type"] = mt
+        if self.family == "smollm3":
+            d["no_rope_layers"] = [int(r) for r in self.rope_layers]
+            d["use_sliding_window"] = SLIDING in self.layer_types
+        if self.family == "mistral":  # its window is one key; transformers warns on layer_types
+            d.pop("layer_types")
+        if self.family == "granite":
+            d.update({k: getattr(self, k) for k in GRANITE_KEYS})
 
         def rp(r: RopeSpec) -> dict[str, Any]:
             out: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
@@ -170,6 +212,27 @@ class ModelConfig:
         return d
 
 
+def _new_families(d: dict[str, Any], family: str, n_layers: int, source: str) -> dict[str, Any]:
+    """The keys of Mistral, SmolLM3 and Granite, read as transformers reads them."""
+    if d.get("mlp_bias"):
+        raise MespError(f"{source}: mlp_bias is not supported")
+    if family == "mistral":  # a window on every layer; absent means transformers' 4096
+        win = d.get("sliding_window", 4096)
+        return {"sliding_window": win, "layer_types": [SLIDING if win else FULL] * n_layers}
+    if family == "smollm3":
+        interval = int(d.get("no_rope_layer_interval", 4))
+        rope = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+        rope = [bool(r) for r in rope[:n_layers]]  # "at least" one entry per layer
+        win = d.get("sliding_window") if d.get("use_sliding_window") else None
+        # transformers: the NoPE layers slide when use_sliding_window is set
+        types = d.get("layer_types") or [SLIDING if win and not r else FULL for r in rope]
+        types = [t if win else FULL for t in types]
+        return {"rope_layers": rope, "layer_types": list(types), "sliding_window": win}
+    if family == "granite":
+        return {k: float(d.get(k, 1.0)) for k in GRANITE_KEYS}
+    return {}
+
+
 def _rope_spec(p: dict[str, Any] | None, theta: float) -> RopeSpec:
     p = p or {}
     kind = p.get("rope_type", p.get("type", "default"))
@@ -189,7 +252,7 @@ def _rope_from_hf(d: dict[str, Any], family: str) -> dict[str, RopeSpec]:
     """Accept both the legacy keys (rope_theta, rope_scaling, rope_local_base_freq) and
     transformers 5's rope_parameters (nested per layer type for Gemma3)."""
     params = d.get("rope_parameters") or d.get("rope_scaling")
-    theta = float(d.get("rope_theta", 1_000_000.0 if family == "gemma3" else 10_000.0))
+    theta = float(d.get("rope_theta", DEFAULT_THETA.get(family, 10_000.0)))
     if family != "gemma3":
         return {FULL: _rope_spec(params, theta)}
     if params and FULL in params:

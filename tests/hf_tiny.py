@@ -12,7 +12,7 @@ from mesp.loading.build import TensorSource, build_model
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "smollm3", "granite")
 
 BASE = dict(
     vocab_size=211,
@@ -48,6 +48,25 @@ def hf_config(family: str, **over):  # type: ignore[no-untyped-def]
         return tf.Qwen2Config(tie_word_embeddings=True, rope_theta=7000.0, **kw)
     if family == "qwen3":
         return tf.Qwen3Config(tie_word_embeddings=False, rope_theta=9000.0, **kw)
+    if family == "mistral":  # a window (5) shorter than every test sequence, on every layer
+        kw.setdefault("sliding_window", 5)
+        return tf.MistralConfig(tie_word_embeddings=False, rope_theta=6000.0, **kw)
+    if family == "smollm3":  # odd layers are NoPE, and with use_sliding_window they slide too
+        kw.setdefault("no_rope_layers", [1 - i % 2 for i in range(kw["num_hidden_layers"])])
+        kw.setdefault("sliding_window", 5)
+        kw.setdefault("use_sliding_window", True)
+        specials = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # in the tiny vocab
+        return tf.SmolLM3Config(tie_word_embeddings=True, rope_theta=8000.0, **specials, **kw)
+    if family == "granite":  # every multiplier away from 1 so that each is tested
+        return tf.GraniteConfig(
+            tie_word_embeddings=True,
+            rope_theta=3000.0,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.4,
+            attention_multiplier=0.07,
+            logits_scaling=2.5,
+            **kw,
+        )
     kw.setdefault("sliding_window", 5)
     kw.setdefault("layer_types", ["sliding_attention", "full_attention"])
     return tf.Gemma3TextConfig(

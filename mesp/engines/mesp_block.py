@@ -25,6 +25,8 @@ def _grad(p: torch.nn.Parameter) -> Tensor:
 
 
 def norm_bwd(dy: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
+    if norm.divisor != 1.0:  # y = rms_norm(x)/s (Granite's final norm): dy/s into the norm
+        dy = dy / norm.divisor
     return rms_norm_backward(dy, x, norm.weight, norm.eps, norm.offset)
 
 
@@ -143,8 +145,10 @@ def block_backward(
     at, mlp = block.self_attn, block.mlp
     t = block.layer_type
 
-    # MLP half: y = x2 + [post_ff_norm](down(act(gate)·up)), gate/up = proj(n2)
+    # MLP half: y = x2 + [post_ff_norm](down(act(gate)·up)), gate/up = proj(n2); Granite
+    # scales the branch by m before the add, so the branch sees m·dy
     dd = norm_bwd(dy, tape.pop("d"), block.post_feedforward_layernorm) if block.sandwich else dy
+    dd = block.branch(dd)
     dn2 = _mlp_backward(mlp, dd, tape, hs)
     del dd
     norm2 = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
@@ -153,6 +157,7 @@ def block_backward(
 
     # Attention half: x2 = x + [post_attn_norm](o_proj(attn(rope(q), rope(k), v)))
     da = norm_bwd(dx2, tape.pop("a"), block.post_attention_layernorm) if block.sandwich else dx2
+    da = block.branch(da)
     o = tape.pop("o")
     b, h, s, d = o.shape
     do = _lin_bwd(at.o_proj, da, o.transpose(1, 2).reshape(b, s, h * d), h=hs.get("o_proj"))
@@ -168,8 +173,9 @@ def block_backward(
         ctx.mask[t],
     )
     del do, o
-    dq = apply_rope_backward(dq, ctx.cos[t], ctx.sin[t])  # the inverse rotation
-    dk = apply_rope_backward(dk, ctx.cos[t], ctx.sin[t])
+    if at.rope:  # the inverse rotation (NoPE layers, SmolLM3: none)
+        dq = apply_rope_backward(dq, ctx.cos[t], ctx.sin[t])
+        dk = apply_rope_backward(dk, ctx.cos[t], ctx.sin[t])
     if at.q_norm is not None and at.k_norm is not None:
         dq = norm_bwd(dq, tape.pop("q_lin"), at.q_norm)
         dk = norm_bwd(dk, tape.pop("k_lin"), at.k_norm)

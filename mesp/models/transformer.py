@@ -46,19 +46,26 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, dim: int, eps: float, offset: float, dtype: torch.dtype, divisor: float = 1.0
+    ) -> None:
         super().__init__()
-        self.eps, self.offset = eps, offset
+        # divisor: the output ÷ it (Granite's logits_scaling, on the final norm only)
+        self.eps, self.offset, self.divisor = eps, offset, divisor
         init = torch.zeros(dim, dtype=dtype) if offset else torch.ones(dim, dtype=dtype)
         self.register_buffer("weight", init)
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps, self.offset)
+        y = rms_norm(x, self.weight, self.eps, self.offset)
+        return y if self.divisor == 1.0 else y / self.divisor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: FamilySpec, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, spec: FamilySpec, dtype: torch.dtype, rope: bool = True
+    ) -> None:
         super().__init__()
+        self.rope = rope  # False: a NoPE layer (SmolLM3), q/k are not rotated
         h, kv, d, hid = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -90,6 +97,8 @@ class Attention(nn.Module):
             if tape is not None:  # the q/k norm backward needs its input
                 tape["q_lin"], tape["k_lin"] = q, k
             q, k = self.q_norm(q), self.k_norm(k)
+        if not self.rope:
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(
@@ -166,7 +175,8 @@ class Block(nn.Module):
         self.idx, self.layer_type = idx, cfg.layer_types[idx]
         self.window = cfg.sliding_window if self.layer_type == SLIDING else None
         eps, off = cfg.rms_norm_eps, spec.norm_offset
-        self.self_attn = Attention(cfg, spec, dtype)
+        self.self_attn = Attention(cfg, spec, dtype, cfg.rope_layers[idx])
+        self.residual = cfg.residual_multiplier  # Granite: each branch × it before the add
         self.mlp = MLP(cfg, spec, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
         # Llama/Qwen: the pre-MLP norm. Gemma3: the norm on the attention output.
@@ -191,15 +201,19 @@ class Block(nn.Module):
             d = self.mlp(n2, tape)
             y = x2 + self.post_feedforward_layernorm(d)
         else:
-            x2 = x + a
+            x2 = x + self.branch(a)
             n2 = self.post_attention_layernorm(x2)
             d = self.mlp(n2, tape)
-            y = x2 + d
+            y = x2 + self.branch(d)
         if tape is not None:
             tape.update(n1=n1, x2=x2, n2=n2)
             if self.sandwich:  # the post-norms' backward needs their inputs
                 tape.update(a=a, d=d)
         return y
+
+    def branch(self, t: Tensor) -> Tensor:
+        """A residual branch as it is added: × residual_multiplier (Granite), else itself."""
+        return t if self.residual is None else t * self.residual
 
 
 class Decoder(nn.Module):
@@ -209,7 +223,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, spec, i, dtype) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset, dtype)
+        div = cfg.logits_scaling or 1.0  # Granite: logits ÷ it, as the final norm's output ÷ it
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset, dtype, div)
 
 
 class CausalLM(nn.Module):
@@ -253,6 +268,8 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens.gather(ids).to(self.dtype)
         if self.spec.embed_scale:  # Gemma: × √hidden, rounded to the compute dtype as HF does
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=self.dtype)
+        if self.config.embedding_multiplier is not None:  # Granite, a Python float as HF's
+            h = h * self.config.embedding_multiplier
         return h
 
     def final_norm(self, h: Tensor) -> Tensor:

@@ -37,9 +37,12 @@ FAMILIES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3TextForCausalLM",
+    "MistralForCausalLM",
+    "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
 )
 # MLPs whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)).
-_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
+_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "MistralMLP", "SmolLM3MLP", "GraniteMLP")
 _RECORD = "_mesp_patch"
 
 
@@ -267,8 +270,9 @@ class _ChunkedLossForward:
         return_dict = kw.pop("return_dict", None)
         out = lm.model(**kw)  # HF hands the decoder every kwarg but labels / logits_to_keep
         shift_labels = kw.get("shift_labels")
+        h, div = out.last_hidden_state, getattr(lm.config, "logits_scaling", 1.0)
         loss = linear_cross_entropy(
-            out.last_hidden_state,
+            h if div == 1.0 else h / div,  # Granite: logits ÷ s, the head is linear
             lm.lm_head.weight,
             labels if shift_labels is None else shift_labels,
             ignore_index=kw.get("ignore_index", -100),
