@@ -58,15 +58,13 @@ def hf_config(family: str, **over):  # type: ignore[no-untyped-def]
         specials = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # in the tiny vocab
         return tf.SmolLM3Config(tie_word_embeddings=True, rope_theta=8000.0, **specials, **kw)
     if family == "granite":  # every multiplier away from 1 so that each is tested
-        return tf.GraniteConfig(
-            tie_word_embeddings=True,
-            rope_theta=3000.0,
+        scalars = dict(
             embedding_multiplier=3.0,
             residual_multiplier=0.4,
             attention_multiplier=0.07,
             logits_scaling=2.5,
-            **kw,
         )
+        return tf.GraniteConfig(tie_word_embeddings=True, rope_theta=3000.0, **{**scalars, **kw})
     kw.setdefault("sliding_window", 5)
     kw.setdefault("layer_types", ["sliding_attention", "full_attention"])
     return tf.Gemma3TextConfig(

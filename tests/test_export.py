@@ -42,8 +42,9 @@ CASES = {  # family -> (base quantization, loss vocabulary slice: None = whole h
     "llama": (None, None),
     "qwen3": (None, 64),  # q/k norms; the head in vocabulary slices (online logsumexp)
     "gemma3": (QuantSpec(4, 32), 64),  # sandwich norms, sliding-window mask (window 5 < S)
+    "mistral": (None, None),  # the sliding-window mask on every layer (window 5 < S)
 }
-SLOW = {"llama", "qwen3", "gemma3"}  # qwen2 runs in the fast suite
+SLOW = {"llama", "qwen3", "gemma3", "mistral"}  # qwen2 runs in the fast suite
 
 
 # The runner's working memory over the engine's, at most. The exported programs are functional:

@@ -32,7 +32,7 @@ def _adapter(model_dir: Path, out: Path) -> None:
     save_adapter(model, out, cfg)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3", "mistral", "smollm3", "granite"])
 def test_merged_dir_equals_base_plus_adapter_in_mesp_and_transformers(
     family: str, tmp_path: Path
 ) -> None:

@@ -104,6 +104,9 @@ def _ctx(model: CausalLM, seq_len: int) -> dict[str, dict[str, Tensor]]:
 
 
 def _check_model(model: CausalLM) -> tuple[int, float, list[str]]:
+    cfg = model.config  # the exported programs build the block without these two yet
+    if not all(cfg.rope_layers) or cfg.residual_multiplier is not None:
+        raise MespError(f"export does not support {cfg.family} (NoPE layers or Granite scalars)")
     mods = model.lora_modules()
     if not mods:
         raise MespError("the model has no LoRA adapters to export")
