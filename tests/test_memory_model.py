@@ -259,6 +259,9 @@ PUBLISHED = {
     "gemma3-4b": 4.3e9 - VISION,
     "gemma3-12b": 12.2e9 - VISION,
     "gemma3-27b": 27.4e9 - VISION,
+    "mistral-7b-v0.3": 7.25e9,  # the model page's count
+    "smollm3-3b": 3.08e9,
+    "granite-3.1-2b": 2.53e9,
 }
 
 

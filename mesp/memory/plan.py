@@ -74,6 +74,9 @@ FAMILY_SIZES: dict[str, list[str]] = {
         "llama-3.1-8b",
     ],
     "gemma3": ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b"],
+    "mistral": ["mistral-7b-v0.3"],
+    "smollm3": ["smollm3-3b"],
+    "granite": ["granite-3.1-2b"],
 }
 
 
