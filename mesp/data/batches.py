@@ -91,7 +91,11 @@ class BatchStream:
         perm = self._permutation()
         picked = perm[self.index : self.index + self.batch_size]
         self.index += len(picked)
-        return collate([self.examples[i] for i in picked], self.pad_id)
+        return self._collate([self.examples[i] for i in picked])
+
+    def _collate(self, picked: list[Any]) -> Batch:
+        """One batch of the picked items (preference.PairStream: pairs, two rows each)."""
+        return collate(picked, self.pad_id)
 
     def __iter__(self) -> Iterator[Batch]:
         return self

@@ -25,6 +25,18 @@ ENGINES = ("bp", "mebp", "mesp", "mezo")
 
 
 def make_engine(name: str, **opts: object) -> Engine:
+    """The engine `name`; with `objective` (a preference one) it trains on pairs: the
+    engine's loss head takes per-token weights, its backward is unchanged (objective.py)."""
+    objective = opts.pop("objective", None)
+    engine = _make(name, **opts)
+    if objective is None or not objective.preference:  # type: ignore[attr-defined]
+        return engine
+    from mesp.engines.objective import PreferenceEngine
+
+    return PreferenceEngine(engine, objective)  # type: ignore[arg-type]
+
+
+def _make(name: str, **opts: object) -> Engine:
     if name == "bp":
         from mesp.engines.bp import BPEngine
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from mesp.batch import Batch
-from mesp.engines import Engine
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import CEOptions, chunked_ce_loss
@@ -159,7 +159,7 @@ class PreferenceEngine:
 
     batch_mean = True  # step returns the micro-batch's mean pair loss; the loop averages them
 
-    def __init__(self, inner: Engine, objective: Objective) -> None:
+    def __init__(self, inner: Any, objective: Objective) -> None:  # an Engine (no cycle)
         if inner.name == "mezo":
             raise MespError(
                 f"--objective {objective.kind} needs a gradient engine (bp, mebp, mesp); "

@@ -7,6 +7,7 @@ from typing import Any
 
 from mesp.engines import ENGINES
 from mesp.engines.loss import LossSpec
+from mesp.engines.objective import LOSS_TYPES, OBJECTIVES, Objective
 from mesp.engines.spill import check_spill_dir
 from mesp.errors import MespError
 
@@ -75,6 +76,20 @@ class EngineOptions:
         default=True,
         metadata={"help": "form logits only for trained tokens (--no-logits-masking: all)"},
     )
+    objective: str = field(
+        default="sft",
+        metadata={
+            "help": "sft (token cross-entropy), or preference pairs: dpo (with the base as the "
+            "reference) or orpo; --data then holds prompt/chosen/rejected rows",
+            "choices": OBJECTIVES,
+        },
+    )
+    beta: float = field(default=0.1, metadata={"help": "dpo: β, the KL penalty's strength"})
+    orpo_lambda: float = field(default=0.1, metadata={"help": "orpo: λ, the odds-ratio weight"})
+    loss_type: str = field(
+        default="sigmoid",
+        metadata={"help": "dpo: the pair loss (TRL's default, sigmoid)", "choices": LOSS_TYPES},
+    )
 
 
 def engine_kwargs(
@@ -88,6 +103,13 @@ def engine_kwargs(
     cannot honour, and a spill directory it could not write, before any work is done.
     keep_tapes: mesp's budget-aware recompute, from the planner (not a flag: --max-memory)."""
     kw: dict[str, Any] = {"loss": LossSpec(o.loss, o.vocab_subset, o.logits_masking, seed=seed)}
+    objective = Objective(o.objective, o.beta, o.orpo_lambda, o.loss_type)
+    if objective.preference:  # (only then: an SFT run's fingerprint stays what it was)
+        if o.engine == "mezo":
+            raise MespError(f"--objective {o.objective} needs --engine bp, mebp or mesp, not mezo")
+        if o.loss != "ce":
+            raise MespError(f"--objective {o.objective} needs the exact loss (--loss ce)")
+        kw["objective"] = objective
     if keep_tapes:
         if o.engine != "mesp":
             raise MespError(f"keeping block tapes needs --engine mesp, not {o.engine}")

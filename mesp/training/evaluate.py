@@ -11,6 +11,14 @@ import torch
 from mesp.batch import Example
 from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.data.batches import iter_eval_batches
+from mesp.data.preference import Pair, iter_pair_batches
+from mesp.engines.objective import (
+    Objective,
+    adapters_off,
+    check_pairs,
+    pair_terms,
+    sequence_logps,
+)
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_with_adapter
 from mesp.models.transformer import CausalLM
@@ -37,10 +45,16 @@ def evaluate(
     pad_id: int,
     max_batches: int = 0,
     dp: DataParallel | None = None,
+    objective: Objective | None = None,
 ) -> dict[str, float]:
     """Mean token loss and perplexity; the loss never forms full logits (chunked CE). With
     `dp`, every rank scores its share of the batches and the sums are all-reduced (all ranks
-    must call it): no rank waits out the others' evaluation in a collective."""
+    must call it): no rank waits out the others' evaluation in a collective. A preference
+    `objective` scores pairs instead (`evaluate_pairs`)."""
+    if objective is not None and objective.preference:
+        if dp is not None:
+            raise MespError("preference objectives run in one process (no --nproc)")
+        return evaluate_pairs(model, examples, batch_size, pad_id, objective, max_batches)  # type: ignore[arg-type]
     total, n = 0.0, 0
     dev = model.device
     for i, batch in enumerate(iter_eval_batches(examples, batch_size, pad_id=pad_id)):
@@ -67,6 +81,47 @@ def evaluate(
         raise MespError("validation set has no trained tokens")
     loss = total / n
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": n}
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    model: CausalLM,
+    pairs: list[Pair],
+    batch_size: int,
+    pad_id: int,
+    objective: Objective,
+    max_batches: int = 0,
+) -> dict[str, float]:
+    """The objective's loss over all scored pairs (as one batch: the pairs' mean, ORPO's NLL
+    over all chosen tokens), the preference accuracy (the chosen reward above the rejected),
+    the mean reward margin (TRL's rewards/accuracies, rewards/margins), and the perplexity of
+    the chosen completions."""
+    lps, refs, ns = [], [], []
+    dev = model.device
+    for i, batch in enumerate(iter_pair_batches(pairs, batch_size, pad_id)):
+        if max_batches and i >= max_batches:
+            break
+        batch = batch.to(dev)
+        ns.append(check_pairs(batch))
+        if objective.kind == "dpo":
+            with adapters_off(model):
+                refs.append(sequence_logps(model, batch))
+        lps.append(sequence_logps(model, batch))
+    if not lps:
+        raise MespError("validation set has no pairs")
+    ref = torch.cat(refs) if refs else None
+    n = torch.cat(ns)
+    loss, st = pair_terms(objective, torch.cat(lps), ref, n)
+    margin = st["chosen"] - st["rejected"]
+    nll = float(st["nll"].sum() / st["n"].sum())
+    return {
+        "loss": float(loss),
+        "ppl": math.exp(min(nll, 50.0)),
+        "accuracy": float((margin > 0).double().mean()),
+        "margin": float(margin.mean()),
+        "pairs": int(margin.numel()),
+        "tokens": int(n.sum()),
+    }
 
 
 def score(opts: ModelOptions, ev: EvalOptions, data: DataConfig) -> dict[str, float]:

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from mesp.atomic_io import atomic_write
 from mesp.batch import collate
 from mesp.data import DataConfig, load_splits, pad_id_of
+from mesp.data.preference import collate_pairs, load_pair_splits
 from mesp.engines import make_engine
 from mesp.engines.options import EngineOptions, engine_kwargs
 from mesp.errors import MespError
@@ -76,16 +77,22 @@ def grad(
                 "(give --adapter or --init-b 0.01 to compare engines on both)",
                 file=sys.stderr,
             )
-    rows = load_splits(data, tok, vocab_size=model.config.vocab_size)["train"][: g.batch_size]
-    batch = collate(rows, pad_id_of(tok, model.config)).to(model.device)
-    loss = engine.step(model, batch, batch.n_tokens)
+    pad = pad_id_of(tok, model.config)
+    if getattr(engine, "objective", None) is not None:  # preference: batch_size pairs
+        pairs = load_pair_splits(data, tok, model.config.vocab_size)["train"][: g.batch_size]
+        batch = collate_pairs(pairs, pad).to(model.device)
+        mean = engine.step(model, batch, 1)  # the batch-mean pair loss and its gradient
+    else:
+        rows = load_splits(data, tok, vocab_size=model.config.vocab_size)["train"][: g.batch_size]
+        batch = collate(rows, pad).to(model.device)
+        mean = engine.step(model, batch, batch.n_tokens) / batch.n_tokens
     params = [p for mod in model.lora_modules().values() for p in (mod.lora_A, mod.lora_B)]
     # A then B for each adapted module: adapter_state's key order
     grads = {k: p.grad.contiguous() for k, p in zip(adapter_state(model), params, strict=True)}
     meta = {
         "engine": engine.name,
-        "loss": f"{loss / batch.n_tokens:.8f}",
+        "loss": f"{mean:.8f}",
         "tokens": str(batch.n_tokens),
     }
     atomic_write(out, lambda p: save_file(grads, p, metadata=meta))
-    return f"mesp: wrote {len(grads)} gradients (loss {loss / batch.n_tokens:.4f}) to {out}"
+    return f"mesp: wrote {len(grads)} gradients (loss {mean:.4f}) to {out}"

@@ -14,6 +14,7 @@ import torch
 
 from mesp.batch import Example, keep_last_fraction
 from mesp.data.batches import BatchStream
+from mesp.data.preference import PairStream
 from mesp.engines import Engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, save_adapter
@@ -69,7 +70,9 @@ def train(
 
     params = model.lora_parameters()
     opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)
-    stream = BatchStream(train_examples, cfg.batch_size, seed=cfg.seed, pad_id=pad_id)
+    objective = getattr(engine, "objective", None)  # a preference objective: pairs of rows
+    stream_cls = PairStream if objective is not None else BatchStream
+    stream = stream_cls(train_examples, cfg.batch_size, seed=cfg.seed, pad_id=pad_id)
     st = resume or TrainState(fingerprint=fingerprint or {})
     best.check_setup(cfg, bool(valid_examples))
     if resume is not None:
@@ -106,12 +109,15 @@ def train(
         if not valid_examples:  # --valid-fraction 0 and no valid.jsonl
             return
         model.eval()
-        v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches, dp)
+        v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches, dp, objective)
         better = best.record(st, step, v["loss"])  # on every rank: all stop at one step
         if not main:
             return
         st.valid.append({"step": step, **v})
         row = {"step": step, "valid_loss": v["loss"], "valid_ppl": v["ppl"]}
+        for k in ("accuracy", "margin"):  # preference objectives (TensorBoard: valid/…)
+            if k in v:
+                row[f"valid_{k}"] = v[k]
         if better and (cfg.keep_best or cfg.early_stop):
             row["valid_best_loss"] = v["loss"]  # TensorBoard: valid/best_loss
         log(row)
@@ -143,9 +149,12 @@ def train(
             micro = [
                 keep_last_fraction(next(stream), cfg.loss_fraction) for _ in range(cfg.grad_accum)
             ]
-            normalizer = sum(b.n_tokens for b in micro)
+            trained = sum(b.n_tokens for b in micro)
+            # a preference engine's step returns its micro-batch's mean pair loss: the group's
+            # loss is their mean (TRL's gradient accumulation); SFT's is the mean token loss
+            normalizer = len(micro) if getattr(engine, "batch_mean", False) else trained
             skipped = ""
-            if normalizer == 0:  # e.g. every target masked: no loss to take, never a NaN
+            if trained == 0:  # e.g. every target masked: no loss to take, never a NaN
                 skipped = "no trained tokens in batch"
             else:
                 local = [dp.shard(b) for b in micro] if dp is not None else micro
@@ -189,7 +198,7 @@ def train(
                     "loss": loss,
                     "lr": lr,
                     "tokens_per_s": tokens / dt,
-                    "trained_tokens_per_s": normalizer / dt,
+                    "trained_tokens_per_s": trained / dt,
                     "step_s": dt,
                     "peak_rss_mb": peak_rss_bytes() / 2**20,
                 }

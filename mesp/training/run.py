@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mesp.atomic_io import atomic_write
 from mesp.data import DataConfig, load_splits, pad_id_of
+from mesp.data.preference import load_pair_splits
 from mesp.engines import make_engine
 from mesp.engines.options import EngineOptions, engine_kwargs
 from mesp.errors import MespError
@@ -121,15 +122,21 @@ def run(job: TrainJob) -> int:
         job.model.device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per data-parallel rank
     job.data.validate()
     kw = engine_kwargs(job.engine, job.model.quantize, job.train.seed, job.train.weight_decay)
+    pairs = "objective" in kw  # a preference objective: the data are pairs, two rows each
+    if pairs:
+        _check_preference(job)
     out = job.out
     check_output_dir(out)
     resume = load_state(out) if job.run.resume else None
+    # the planner sees a preference batch as what it trains: two rows per pair (its extra
+    # no-tape forwards keep no activations past one block)
+    rows = replace(job.train, batch_size=2 * job.train.batch_size) if pairs else job.train
     budget = check_budget(
-        job.run.max_memory, job.model, job.engine.engine, job.data, job.lora, job.train
+        job.run.max_memory, job.model, job.engine.engine, job.data, job.lora, rows
     )
     # budget-aware recompute: not in `kw`, whose items are the fingerprint, since kept tapes
     # give the same gradient bits and a resumed run may have another budget
-    tapes = budget_tapes(budget, job.model, job.engine.engine, job.data, job.lora, job.train)
+    tapes = budget_tapes(budget, job.model, job.engine.engine, job.data, job.lora, rows)
     seed, wd = job.train.seed, job.train.weight_decay
     engine = make_engine(
         job.engine.engine, **engine_kwargs(job.engine, job.model.quantize, seed, wd, tapes)
@@ -146,7 +153,11 @@ def run(job: TrainJob) -> int:
         fp = fingerprint(loaded, job.model, job.engine.engine, kw, job.data, job.lora, job.train)
         if resume is not None:
             check_fingerprint(resume, fp, out)
-        splits = load_splits(job.data, tok, vocab_size=model.config.vocab_size)
+        if pairs:
+            splits = load_pair_splits(job.data, tok, model.config.vocab_size)
+        else:
+            splits = load_splits(job.data, tok, vocab_size=model.config.vocab_size)
+        objective = kw.get("objective")
         pad = pad_id_of(tok, model.config)
         n_params = apply_lora(model, job.lora, seed=job.train.seed)
         if job.engine.zo_full:
@@ -155,14 +166,17 @@ def run(job: TrainJob) -> int:
         say(
             f"mesp: {loaded.source} ({model.config.family}, base {loaded.base or held(model)}, "
             f"{job.model.dtype}), {n_params:,} LoRA parameters, engine {engine.name}{ranks}, "
-            f"{len(splits['train'])} train / {len(splits['valid'])} valid rows"
+            f"{len(splits['train'])} train / {len(splits['valid'])} valid "
+            f"{'pairs, objective ' + job.engine.objective if pairs else 'rows'}"
         )
         base_f = out / "baseline.json"  # the untrained adapter's score, kept across resumes
         before: dict = {}
         reuse = resume is not None and base_f.exists()
         cfg = job.train
         if splits["valid"] and not reuse:  # every rank scores its share
-            before = evaluate(model, splits["valid"], cfg.batch_size, pad, cfg.eval_batches, dp)
+            before = evaluate(
+                model, splits["valid"], cfg.batch_size, pad, cfg.eval_batches, dp, objective
+            )
         if main:
             flags = {**job.flags(), "nproc": dp.world if dp is not None else 1}
             atomic_write(out / "run_args.json", lambda p: Path(p).write_text(json.dumps(flags)))
@@ -202,6 +216,8 @@ def run(job: TrainJob) -> int:
     summary = {
         "valid_ppl_before": before.get("ppl"),
         "valid_ppl_after": after.get("ppl"),
+        **({"valid_accuracy_before": before.get("accuracy")} if pairs else {}),
+        **({"valid_accuracy_after": after.get("accuracy")} if pairs else {}),
         "peak_rss_mb": (res.peak_rss_bytes or 0) / 2**20,
         "seconds": res.seconds,
         "adapter": str(out),
@@ -214,11 +230,27 @@ def run(job: TrainJob) -> int:
         if before and after
         else "no validation set"
     )
+    if pairs and before and after:
+        ppl = (
+            f"valid preference accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
+            f"reward margin {before['margin']:.4f} -> {after['margin']:.4f}, "
+            f"loss {before['loss']:.4f} -> {after['loss']:.4f}"
+        )
     print(
         f"mesp: {ppl}; peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; "
         f"adapter in {out}"
     )
     return 0
+
+
+def _check_preference(job: TrainJob) -> None:
+    """What preference training does not do (yet): refused in one line, before any work."""
+    if job.run.nproc > 1 or "WORLD_SIZE" in os.environ:
+        raise MespError(f"--objective {job.engine.objective} runs in one process (no --nproc)")
+    if job.train.loss_fraction < 1.0:
+        raise MespError(
+            "--loss-fraction applies to --objective sft (pairs score every completion token)"
+        )
 
 
 def _full_model_dir(model, tok, out: Path, resuming: bool, main: bool) -> None:  # type: ignore[no-untyped-def]
