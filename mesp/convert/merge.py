@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from mesp.atomic_io import atomic_write
+from mesp.convert.gguf_model import ARCHS as GGUF_ARCHS
 from mesp.convert.gguf_model import DEFAULT_TYPE, GGUF_TYPES, LazyTensor, write_model_gguf
 from mesp.convert.gguf_vocab import vocab_kvs
 from mesp.errors import MespError
@@ -189,6 +190,8 @@ def merge_to_gguf(opts: ModelOptions, m: MergeOptions) -> str:
     check_output_dir(out.parent)
     # merged in float32 whatever --dtype says: the file's type decides the precision
     loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype="float32"))
+    if loaded.model.config.family not in GGUF_ARCHS:  # Mistral, SmolLM3, Granite: not yet
+        raise MespError(f"a merged GGUF of a {loaded.model.config.family} model is not supported")
     cfg = load_adapter(loaded.model, adapter_dir(m.adapter))
     vocab = vocab_kvs(loaded, loaded.model.config.vocab_size)  # fail before the merge
     name = Path(loaded.source).stem if Path(loaded.source).suffix else Path(loaded.source).name
