@@ -156,3 +156,29 @@ def test_what_is_not_supported_yet_says_so_in_one_line(family: str, tmp_path: Pa
     if family != "mistral":  # Mistral's window is the exported programs' sliding mask
         with pytest.raises(MespError, match=f"export does not support {family}"):
             export_model(model_with_adapter(family), tmp_path / "art", ExportOptions(seq_len=8))
+
+
+@pytest.mark.parametrize("family", ["mistral", "smollm3"])
+def test_mesp_through_the_chunked_attention_matches_bp(family: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where the CPU flash kernel is not used (CUDA, other torches), mesp's forward and backward
+    take the exact query-chunked attention: with chunks of 4 queries and the window (5) of every
+    (Mistral) or of the NoPE (SmolLM3) layer, still bp's gradients at seq 23 > window."""
+    from mesp.engines import make_engine
+    from mesp.ops import attention, attention_chunked
+    from tests.engine_cases import assert_grads_match, grads_of, model_with_adapter, padded_batch
+
+    model, batch = model_with_adapter(family), padded_batch()
+    _, g_bp = grads_of(make_engine("bp"), model, batch)
+    fwd, bwd = attention_chunked.chunked_fwd, attention_chunked.chunked_bwd
+    calls: list[int] = []
+
+    def chunked_fwd(*a):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return fwd(*a[:5], 4)
+
+    monkeypatch.setattr(attention, "_use_flash", lambda q, impl: False)
+    monkeypatch.setattr(attention_chunked, "chunked_fwd", chunked_fwd)
+    monkeypatch.setattr(attention_chunked, "chunked_bwd", lambda *a: bwd(*a[:8], 4))
+    _, g_ms = grads_of(make_engine("mesp"), model, batch)
+    assert len(calls) == 2  # one recompute per block
+    assert_grads_match(g_bp, g_ms)
