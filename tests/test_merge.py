@@ -57,8 +57,9 @@ def test_merged_dir_equals_base_plus_adapter_in_mesp_and_transformers(
     assert (b.eos_id, b.chat_template) == (a.eos_id, a.chat_template)
 
 
-def test_quantized_merge_is_an_mlx_dir_that_loads_bit_exact(tmp_path: Path) -> None:
-    base = make_model_dir(tmp_path / "base", "qwen2", **WIDE)
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "smollm3", "granite"])
+def test_quantized_merge_is_an_mlx_dir_that_loads_bit_exact(family: str, tmp_path: Path) -> None:
+    base = make_model_dir(tmp_path / "base", family, **WIDE)
     _adapter(base, tmp_path / "ad")
     out = tmp_path / "merged4"
     argv = ["merge", "--model", str(base), "--adapter", str(tmp_path / "ad"), "--out", str(out)]
