@@ -182,3 +182,22 @@ def test_mesp_through_the_chunked_attention_matches_bp(family: str, monkeypatch)
     _, g_ms = grads_of(make_engine("mesp"), model, batch)
     assert len(calls) == 2  # one recompute per block
     assert_grads_match(g_bp, g_ms)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW)
+def test_two_ranks_equal_one_process(family: str, tmp_path: Path) -> None:
+    """Data parallel (mesp engine, 2 ranks) trains each family as one process does."""
+    from safetensors.torch import load_file
+
+    from tests.test_distributed import _train
+
+    model = make_model_dir(tmp_path / "m", family)
+    data = make_jsonl(tmp_path / "d.jsonl", 30)
+    one = _train(model, data, tmp_path / "one", "--engine", "mesp")
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = _train(model, data, tmp_path / "two", "--engine", "mesp", "--nproc", "2")
+    assert two.returncode == 0, two.stderr[-2000:]
+    a = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-6 for k in a)
