@@ -201,3 +201,12 @@ def test_two_ranks_equal_one_process(family: str, tmp_path: Path) -> None:
     a = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-6 for k in a)
+
+
+def test_info_names_each_familys_piece(capsys: pytest.CaptureFixture) -> None:
+    """`mesp info` on the zoo shapes: the window, the NoPE layers and Granite's scalars."""
+    for name in ("mistral-7b-v0.3", "smollm3-3b", "granite-3.1-2b"):
+        assert main(["info", "--model", f"random:{name}"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters   7,248,023,552" in out and "no RoPE      on 9 of 36 layers" in out
+    assert "multipliers  embedding 12, residual 0.22, attention 0.015625, logits ÷ 8" in out

@@ -103,6 +103,15 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
         lines.append(
             f"sliding      window {cfg.sliding_window} on {n_sl} of {cfg.num_hidden_layers} layers"
         )
+    if not all(cfg.rope_layers):  # SmolLM3's NoPE layers; Granite's four scalars
+        n_nope = cfg.rope_layers.count(False)
+        lines.append(f"no RoPE      on {n_nope} of {cfg.num_hidden_layers} layers")
+    if cfg.residual_multiplier is not None:
+        lines.append(
+            f"multipliers  embedding {cfg.embedding_multiplier:g}, residual "
+            f"{cfg.residual_multiplier:g}, attention {cfg.attention_multiplier:g}, "
+            f"logits ÷ {cfg.logits_scaling:g}"
+        )
     lines += [
         f"parameters   {wb['params']:,}",
         f"weights      {wb['dense_bytes'] / mb:,.1f} MB in {opts.dtype}, "
