@@ -14,6 +14,7 @@ from mesp.engines.loss import LossSpec
 from mesp.engines.objective import Objective, PreferenceEngine, adapters_off
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, apply_lora
+from mesp.ops.cross_entropy import CEOptions, chunked_ce_row_losses
 from tests.engine_cases import DEVICE, assert_grads_match, model_with_adapter, padded_batch
 from tests.hf_tiny import hf_model, mesp_from_hf
 
@@ -147,3 +148,22 @@ def test_adapters_off_is_the_base() -> None:
             m.remove_lora()
         base = model(batch.input_ids)
     assert torch.equal(off, base) and not torch.equal(on, base)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [CEOptions(5, None), CEOptions(5, 64), CEOptions(5, 64, mask_logits=False)],
+    ids=["dense", "sliced", "unmasked"],
+)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: a logit softcap
+def test_row_losses_are_each_tokens_cross_entropy(family: str, opts: CEOptions) -> None:
+    model, batch = model_with_adapter(family), pair_batch()
+    with torch.no_grad():
+        hn = model.hidden(batch.input_ids)
+        z = model.logits(hn).flatten(0, 1).float()
+        want = F.cross_entropy(z, batch.targets.flatten(), reduction="none") * batch.mask.flatten()
+        head, cap = model.head_weight(), model.config.final_logit_softcapping
+        got = chunked_ce_row_losses(hn, batch.targets, batch.mask, head, cap, opts)
+    # fp32 log-softmax of O(10) logits in another order: a few ulps of the largest loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert bool((got[~batch.mask.flatten()] == 0).all())

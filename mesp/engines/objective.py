@@ -42,7 +42,7 @@ from torch import Tensor
 from mesp.batch import Batch
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
-from mesp.ops.cross_entropy import CEOptions, chunked_ce_loss
+from mesp.ops.cross_entropy import CEOptions, chunked_ce_row_losses
 
 OBJECTIVES = ("sft", "dpo", "orpo")
 LOSS_TYPES = ("sigmoid",)
@@ -87,15 +87,13 @@ def adapters_off(model: CausalLM) -> Iterator[None]:
 @torch.no_grad()
 def sequence_logps(model: CausalLM, batch: Batch, opts: CEOptions | None = None) -> Tensor:
     """(B,) fp64: each row's summed log-probability of its trained (mask) tokens, no tape.
-    One chunked CE per row on the final-normed states: no full logits."""
+    One chunked CE pass over the final-normed states: no full logits."""
     hn = model.hidden(batch.input_ids)
     head, cap = model.head_weight(), model.config.final_logit_softcapping
     o = opts or CEOptions(512, 16384)
-    out = [
-        -chunked_ce_loss(hn[b], batch.targets[b], batch.mask[b], head, cap, opts=o)[0]
-        for b in range(hn.shape[0])
-    ]
-    return torch.stack(out).to(torch.float64).cpu()
+    rows = chunked_ce_row_losses(hn, batch.targets, batch.mask, head, cap, o)
+    # summed in fp64 in position order, as the chunked CE sums its rows
+    return -rows.view(batch.mask.shape).to(torch.float64).sum(1).cpu()
 
 
 def pair_terms(

@@ -109,6 +109,8 @@ def engine_kwargs(
             raise MespError(f"--objective {o.objective} needs --engine bp, mebp or mesp, not mezo")
         if o.loss != "ce":
             raise MespError(f"--objective {o.objective} needs the exact loss (--loss ce)")
+        if o.stream_weights:  # its no-tape log-prob passes run the model's plain forward
+            raise MespError(f"--objective {o.objective} does not stream weights yet")
         kw["objective"] = objective
     if keep_tapes:
         if o.engine != "mesp":

@@ -73,6 +73,7 @@ def _dense_head(
     norm: float | None,
     rw: Tensor | None = None,
     bias: Tensor | None = None,
+    rows_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """hs (n, D), w (v, D) dense head rows, tgt (n,) columns of w -> (loss sum, dhs (n, D) or
     None when norm is None). One (rows × v) logits block (and its tanh when capped) at a time.
@@ -87,7 +88,10 @@ def _dense_head(
         if bias is not None:
             z += bias
         lse = torch.logsumexp(z, -1)
-        loss += _weighted(lse - z.gather(1, tc[:, None]).squeeze(1), rc).sum(dtype=torch.float64)
+        row = lse - z.gather(1, tc[:, None]).squeeze(1)
+        if rows_out is not None:  # each row's own loss (a preference objective's log-probs)
+            rows_out[r0 : r0 + rows] = row
+        loss += _weighted(row, rc).sum(dtype=torch.float64)
         if dhs is not None and norm is not None:
             dz = _dlogits(z, t, lse, tc, norm, rc).to(w.dtype)
             dhs[r0 : r0 + rows] = matmul(dz, w)  # (c, v)(v, D)
@@ -105,6 +109,7 @@ def _sliced_head(
     vchunk: int,
     norm: float | None,
     rw: Tensor | None = None,
+    rows_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """As _dense_head over the whole head, in vocabulary slices (outer loop: each slice is
     dequantized once) and ONE pass, the way flash attention accumulates its output. With m the
@@ -144,6 +149,8 @@ def _sliced_head(
             del z, t, e  # free this chunk's logits before the next is formed
         del w  # and this slice before the next is dequantized
     lse = m + s.log()  # (s is still needed below)
+    if rows_out is not None:
+        rows_out.copy_(lse - tz)
     loss = _weighted(lse - tz, rw).sum(dtype=torch.float64)
     if acc is None or norm is None:
         return loss, None
@@ -184,6 +191,7 @@ def _run(
     normalizer: float | None,
     grad: bool,
     weights: Tensor | None = None,
+    rows_out: Tensor | None = None,
 ) -> tuple[Tensor, int, Tensor | None]:
     vocab = head.out_features
     h2, ids, tgt = _select(h, targets, mask, vocab)
@@ -210,6 +218,7 @@ def _run(
     if weights is not None:  # per-token loss weights (a preference objective's, see engines)
         w = weights.reshape(-1).to(device=h.device, dtype=ct)
         rw = w.index_select(0, ids) if rw is None else rw * w
+    per = None if rows_out is None else hs.new_zeros(hs.shape[0], dtype=ct)
     rows = opts.chunk_rows or hs.shape[0]
     vchunk = opts.vocab_chunk if opts.vocab_chunk and opts.vocab_chunk < vocab else None
     if opts.vocab_subset is not None:
@@ -220,12 +229,17 @@ def _run(
         )
         del trained
         w, local = subset_head(head, subset, tgt, hs.dtype)
-        loss, dhs = _dense_head(hs, local, w, softcap, rows, norm, rw, bias.to(ct))
+        loss, dhs = _dense_head(hs, local, w, softcap, rows, norm, rw, bias.to(ct), per)
         del w
     elif vchunk is None:
-        loss, dhs = _dense_head(hs, tgt, head.dense(hs.dtype), softcap, rows, norm, rw)
+        loss, dhs = _dense_head(hs, tgt, head.dense(hs.dtype), softcap, rows, norm, rw, None, per)
     else:
-        loss, dhs = _sliced_head(hs, tgt, head, softcap, rows, vchunk, norm, rw)
+        loss, dhs = _sliced_head(hs, tgt, head, softcap, rows, vchunk, norm, rw, per)
+    if per is not None and rows_out is not None:  # back to (N,) positions, 0 where untrained
+        if opts.mask_logits:
+            rows_out.index_copy_(0, ids, per)
+        else:  # untrained rows scored their placeholder target: zero them
+            rows_out.copy_(per * mask.reshape(-1).to(per))
     if dhs is None:
         return loss, n, None
     if not opts.mask_logits:  # every row has its dh already
@@ -274,3 +288,19 @@ def chunked_ce_loss(
     o = opts or CEOptions(chunk_rows, vocab_chunk)
     loss, n, _ = _run(h, targets, mask, head, softcap, o, None, grad=False)
     return loss, n
+
+
+def chunked_ce_row_losses(
+    h: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    head: FrozenWeight,
+    softcap: float | None,
+    opts: CEOptions,
+) -> Tensor:
+    """Forward only: each position's token loss (N,) (fp32; 0 where mask is False), in one
+    pass over the head: a preference objective sums them per sequence."""
+    rows = torch.zeros(mask.numel(), dtype=torch.promote_types(h.dtype, torch.float32))
+    rows = rows.to(h.device)
+    _run(h, targets, mask, head, softcap, opts, None, False, None, rows)
+    return rows
