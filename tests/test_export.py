@@ -43,8 +43,10 @@ CASES = {  # family -> (base quantization, loss vocabulary slice: None = whole h
     "qwen3": (None, 64),  # q/k norms; the head in vocabulary slices (online logsumexp)
     "gemma3": (QuantSpec(4, 32), 64),  # sandwich norms, sliding-window mask (window 5 < S)
     "mistral": (None, None),  # the sliding-window mask on every layer (window 5 < S)
+    "smollm3": (None, 64),  # a NoPE layer with the window; the head in slices
+    "granite": (QuantSpec(4, 32), None),  # the four scalars (logits ÷ s before the head)
 }
-SLOW = {"llama", "qwen3", "gemma3", "mistral"}  # qwen2 runs in the fast suite
+SLOW = {"llama", "qwen3", "gemma3", "mistral", "smollm3", "granite"}  # qwen2 runs in the fast suite
 
 
 # The runner's working memory over the engine's, at most. The exported programs are functional:

@@ -30,6 +30,8 @@ class EdgeSpec:
     softcap: float | None
     vocab_chunk: int | None  # head slices of this many rows (None: whole head at once)
     vocab: int
+    embed_mult: float | None = None  # Granite: × embedding_multiplier, a Python float as HF's
+    logits_div: float | None = None  # Granite: the final norm's output ÷ logits_scaling
 
 
 def embed(es: EdgeSpec, w: Tensors, ids: Tensor) -> Tensor:
@@ -46,6 +48,8 @@ def embed(es: EdgeSpec, w: Tensors, ids: Tensor) -> Tensor:
     h = h.to(es.dtype)
     if es.embed_scale is not None:
         h = h * torch.full((), es.embed_scale, dtype=es.dtype)  # an op, not a lifted constant
+    if es.embed_mult is not None:
+        h = h * es.embed_mult
     return h
 
 
@@ -118,6 +122,8 @@ def loss_and_grad(
     -> (per-row losses (n,) in fp32, d(loss_sum / norm)/dh (B, S, hidden)). The caller sums
     the rows in fp64, as cross_entropy does (a graph for edge runtimes carries no fp64 op)."""
     hn = rms_norm(h, w["norm.weight"], es.eps, es.norm_offset)
+    if es.logits_div is not None:  # RMSNorm's divisor, as the in-process final norm
+        hn = hn / es.logits_div
     h2 = hn.reshape(-1, hn.shape[-1])
     hs = h2.index_select(0, ids)
     if es.vocab_chunk is None:
@@ -125,6 +131,8 @@ def loss_and_grad(
     else:
         loss, dhs = _sliced_head(es, w, hs, tgt, norm)
     dhn = torch.zeros_like(h2).index_copy_(0, ids, dhs).view(h.shape)
+    if es.logits_div is not None:  # mesp_block.norm_bwd's dy ÷ divisor
+        dhn = dhn / es.logits_div
     return loss, rms_norm_backward(dhn, h, w["norm.weight"], es.eps, es.norm_offset)
 
 

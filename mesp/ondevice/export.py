@@ -104,9 +104,6 @@ def _ctx(model: CausalLM, seq_len: int) -> dict[str, dict[str, Tensor]]:
 
 
 def _check_model(model: CausalLM) -> tuple[int, float, list[str]]:
-    cfg = model.config  # the exported programs build the block without these two yet
-    if not all(cfg.rope_layers) or cfg.residual_multiplier is not None:
-        raise MespError(f"export does not support {cfg.family} (NoPE layers or Granite scalars)")
     mods = model.lora_modules()
     if not mods:
         raise MespError("the model has no LoRA adapters to export")
@@ -155,6 +152,8 @@ def _edges(model: CausalLM, vocab_chunk: int) -> tuple[EdgeSpec, dict, dict]:
         softcap=cfg.final_logit_softcapping,
         vocab_chunk=vocab_chunk if vocab_chunk < cfg.vocab_size else None,  # as MeSPEngine
         vocab=cfg.vocab_size,
+        embed_mult=cfg.embedding_multiplier,
+        logits_div=model.model.norm.divisor if model.model.norm.divisor != 1.0 else None,
     )
     return es, embed_w, head_w
 

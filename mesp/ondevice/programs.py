@@ -94,6 +94,8 @@ class BlockSpec:
     # None: the engine's attention kernels. A tile size: the exact query-tiled core-ATen path
     # (mesp.ops.attention's chunked impl), at most (tile × S) scores per head at a time.
     attn_tile: int | None = None
+    rope: bool = True  # False: a NoPE layer (SmolLM3), q/k not rotated
+    residual: float | None = None  # Granite: each residual branch × it before the add
 
     def lin(self, name: str) -> WeightSpec:
         return dict(self.linears)[name]
@@ -119,6 +121,8 @@ class BlockSpec:
             spec.qk_norm,
             masked,
             tuple(lins),
+            rope=at.rope,
+            residual=block.residual,
         )
 
 
@@ -161,6 +165,11 @@ def _norm(bs: BlockSpec, x: Tensor, w: Tensors, name: str) -> Tensor:
     return rms_norm(x, w[f"{name}.weight"], bs.eps, bs.norm_offset)
 
 
+def _branch(bs: BlockSpec, t: Tensor) -> Tensor:
+    """Block.branch: a residual branch as it is added (× Granite's residual_multiplier)."""
+    return t if bs.residual is None else t * bs.residual
+
+
 def block_forward(
     bs: BlockSpec, w: Tensors, lora: Tensors, x: Tensor, ctx: Tensors, tape: Tensors | None
 ) -> Tensor:
@@ -175,7 +184,8 @@ def block_forward(
         if tape is not None:
             tape["q_lin"], tape["k_lin"] = q, k
         q, k = _norm(bs, q, w, "self_attn.q_norm"), _norm(bs, k, w, "self_attn.k_norm")
-    q, k = apply_rope(q, ctx["cos"], ctx["sin"]), apply_rope(k, ctx["cos"], ctx["sin"])
+    if bs.rope:
+        q, k = apply_rope(q, ctx["cos"], ctx["sin"]), apply_rope(k, ctx["cos"], ctx["sin"])
     tiled = {} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}
     if tape is not None:
         o, tape["lse"] = attention_fwd(q, k, v, bs.attn_scale, mask, **tiled)
@@ -189,13 +199,13 @@ def block_forward(
         x2 = x + _norm(bs, a, w, "post_attention_layernorm")
         n2 = _norm(bs, x2, w, "pre_feedforward_layernorm")
     else:
-        x2 = x + a
+        x2 = x + _branch(bs, a)
         n2 = _norm(bs, x2, w, "post_attention_layernorm")
     gate, up = _linear(bs, "gate_proj", n2, w, lora), _linear(bs, "up_proj", n2, w, lora)
     if tape is not None:
         tape["gate"], tape["up"] = gate, up
     d = _linear(bs, "down_proj", gated_act(gate, up, bs.act), w, lora)
-    y = x2 + _norm(bs, d, w, "post_feedforward_layernorm") if bs.sandwich else x2 + d
+    y = x2 + _norm(bs, d, w, "post_feedforward_layernorm") if bs.sandwich else x2 + _branch(bs, d)
     if tape is not None:
         tape.update(n1=n1, x2=x2, n2=n2)
         if bs.sandwich:
@@ -228,7 +238,7 @@ def block_backward(
     """dy (B, S, hidden) at the block output -> (dx at its input, LoRA gradients)."""
     saved, grads = dict(saved), {}
     nb = lambda g, xx, name: rms_norm_backward(g, xx, w[f"{name}.weight"], bs.eps, bs.norm_offset)  # noqa: E731
-    dd = nb(dy, saved.pop("d"), "post_feedforward_layernorm") if bs.sandwich else dy
+    dd = _branch(bs, nb(dy, saved.pop("d"), "post_feedforward_layernorm") if bs.sandwich else dy)
     gate, up = saved.pop("gate"), saved.pop("up")
     dm = _lin_bwd(bs, "down_proj", dd, gated_act(gate, up, bs.act), w, lora, grads)
     del dd
@@ -243,7 +253,7 @@ def block_backward(
     dx2 = dy + nb(dn2, saved.pop("x2"), norm2)
     del dn2, dy
 
-    da = nb(dx2, saved.pop("a"), "post_attention_layernorm") if bs.sandwich else dx2
+    da = _branch(bs, nb(dx2, saved.pop("a"), "post_attention_layernorm") if bs.sandwich else dx2)
     o = saved.pop("o")
     b, h, s, d = o.shape
     do = _lin_bwd(bs, "o_proj", da, o.transpose(1, 2).reshape(b, s, h * d), w, lora, grads)
@@ -260,8 +270,9 @@ def block_backward(
         **({} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}),
     )
     del do, o
-    dq = apply_rope_backward(dq, ctx["cos"], ctx["sin"])
-    dk = apply_rope_backward(dk, ctx["cos"], ctx["sin"])
+    if bs.rope:
+        dq = apply_rope_backward(dq, ctx["cos"], ctx["sin"])
+        dk = apply_rope_backward(dk, ctx["cos"], ctx["sin"])
     if bs.qk_norm:
         dq = nb(dq, saved.pop("q_lin"), "self_attn.q_norm")
         dk = nb(dk, saved.pop("k_lin"), "self_attn.k_norm")
