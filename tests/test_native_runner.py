@@ -206,6 +206,13 @@ def test_trains_and_saves_a_peft_adapter(
     assert SAVED_LINE.match(lines[3]), lines[3]
     steps = [json.loads(x) for x in log.read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
+    # memory accounting: after load, then before / after each program's first run, on step 1
+    events = steps[0]["memory"]
+    assert events[0]["at"] == "after load" and steps[1]["memory"] == steps[2]["memory"] == []
+    firsts = [e["at"] for e in events[1:]]
+    assert firsts[:2] == ["before first embed", "after first embed"] and len(firsts) % 2 == 0
+    assert {"after first loss"} <= set(firsts)
+    assert all(e["rss_anon_bytes"] > 0 and e["private_dirty_bytes"] > 0 for e in events)
     for s, line in zip(steps, lines[:3], strict=True):
         assert f"loss {s['loss']:.6f} " in line
     conf = _conf(artifacts)
@@ -432,3 +439,25 @@ def test_non_finite_loss_writes_no_adapter(
     r = _run(runner_bin, artifacts, data, out, "--lr", "1e30", steps=4)
     _refused(r, out, "non-finite loss at step", "no adapter written")
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_inside_a_hard_memory_cap(runner_bin: Path, artifacts: Path, tmp_path: Path) -> None:
+    """The runner's steps inside a memory cgroup (mesp bench ondevice --memory-cap): charged to
+    the group (its peak charge is its own, not 0) and done within the cap, the adapter written.
+    The tiny export needs under 4 MB, the smallest cap run_capped takes, so the kill path is
+    tests/test_memory_cap.py's (a process that does not fit)."""
+    from mesp.errors import MespError
+    from mesp.memory.cgroup import MB, memory_root, run_capped
+
+    try:
+        memory_root()
+    except MespError as e:
+        pytest.skip(str(e))
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts))
+    argv = [str(runner_bin), str(artifacts), "--data", str(data), "--steps", "3"]
+    argv += ["--out", str(tmp_path / "adapter"), "--threads", "1"]
+    r = run_capped(argv, 64 * MB, timeout=300)
+    assert r.ok and r.why().startswith("completed inside the 64 MB cap"), r.why()
+    assert 0 < r.peak_bytes <= 64 * MB
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()

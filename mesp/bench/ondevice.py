@@ -89,6 +89,7 @@ def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[st
     if r.returncode != 0:
         raise MespError(f"native runner failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     steps = [json.loads(line) for line in log.read_text().splitlines()]
+    memory = steps[0].get("memory", [])  # after load, around each program's first run
     times = [s["time_s"] for s in steps[1:]] or [steps[0]["time_s"]]
     progs = conf["executorch"]["programs"]
     return {
@@ -97,6 +98,7 @@ def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[st
         "losses": [s["loss"] for s in steps],
         "peak_rss_bytes": max(s["peak_rss_bytes"] for s in steps),
         "peak_anon_bytes": max(s["anon_bytes"] for s in steps),
+        "memory_events": memory,
         "planned_bytes": {k: sum(v["planned_bytes"]) for k, v in progs.items()},
         "summary": r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "",
     }

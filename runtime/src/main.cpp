@@ -151,6 +151,7 @@ int run(int argc, char** argv) {
   Programs programs;
   programs.load(art);
   trainer.prepare(programs);
+  trainer.note_memory("after load");
 
   for (int64_t k = 1; k <= a.steps; ++k) {
     const double ts = now_seconds();
@@ -174,12 +175,14 @@ int run(int argc, char** argv) {
         std::snprintf(shown, sizeof shown, "%.17g", *loss);
       else
         std::snprintf(shown, sizeof shown, "null");
+      // "memory": after load and around each program's first run (step 1), else []
       std::fprintf(log,
                    "{\"step\": %lld, \"loss\": %s, \"time_s\": %.6f, \"peak_rss_bytes\": %llu, "
-                   "\"anon_bytes\": %llu}\n",
+                   "\"anon_bytes\": %llu, \"memory\": %s}\n",
                    static_cast<long long>(k), shown, dt,
                    static_cast<unsigned long long>(m.peak_rss),
-                   static_cast<unsigned long long>(trainer.peak_anon()));
+                   static_cast<unsigned long long>(trainer.peak_anon()),
+                   trainer.take_memory_events().c_str());
       std::fflush(log);
     }
   }

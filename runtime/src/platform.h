@@ -46,12 +46,16 @@ bool make_dirs(const std::string& path, std::string& why);
 // directory: a crash leaves the old file or the new one, never half of one.
 bool write_atomic(const std::string& path, const std::string& bytes, std::string& why);
 
-// Memory of this process, in bytes: peak resident set (VmHWM) and current anonymous RSS.
+// Memory of this process, in bytes: peak resident set (VmHWM) and current anonymous RSS;
+// private_dirty (pages this process wrote, file-backed ones included: what it cannot give
+// back) only from mem_detail(), which also reads /proc/self/smaps_rollup (slower: not per run).
 struct MemInfo {
   uint64_t peak_rss = 0;
   uint64_t rss_anon = 0;
+  uint64_t private_dirty = 0;
 };
 MemInfo mem_info();
+MemInfo mem_detail();
 
 // Ctrl-C / SIGTERM: print "mesp-runner: interrupted; no adapter written" and exit 130, as the
 // Python runner does (the adapter is only ever renamed into place whole).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 
 #include "error.h"
@@ -188,10 +189,31 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
 
 std::vector<TensorRef> Trainer::run(const std::string& prog, int block,
                                     const std::map<std::string, TensorRef>& named) {
+  const bool first = ran_.insert(prog).second;
+  if (first) note_memory("before first " + prog);
   std::vector<TensorRef> outs = programs_->run(prog, bind(prog, block, named, true));
   scratch_.clear();
   sample_memory();
+  if (first) note_memory("after first " + prog);
   return outs;
+}
+
+void Trainer::note_memory(const std::string& at) {
+  const MemInfo m = mem_detail();
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "{\"at\": \"%s\", \"rss_anon_bytes\": %llu, \"private_dirty_bytes\": %llu}",
+                at.c_str(), static_cast<unsigned long long>(m.rss_anon),
+                static_cast<unsigned long long>(m.private_dirty));
+  memory_events_.emplace_back(buf);
+}
+
+std::string Trainer::take_memory_events() {
+  std::string out = "[";
+  for (size_t i = 0; i < memory_events_.size(); ++i)
+    out += (i ? ", " : "") + memory_events_[i];
+  memory_events_.clear();
+  return out + "]";
 }
 
 const TensorRef& Trainer::output(const std::vector<TensorRef>& outs, const std::string& prog,

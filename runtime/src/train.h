@@ -7,6 +7,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,11 @@ class Trainer {
 
   // Largest anonymous RSS seen after any program ran.
   uint64_t peak_anon() const { return peak_anon_; }
+  // Records RssAnon and Private_Dirty now, as `at` (e.g. "after load"); each program's first
+  // run is recorded on its own, before and after. take_memory_events() returns the records
+  // since the last call as a JSON array ("[]" when none) and clears them.
+  void note_memory(const std::string& at);
+  std::string take_memory_events();
 
  private:
   struct Lora {
@@ -67,6 +73,8 @@ class Trainer {
   int64_t opt_steps_ = 0;
   int64_t max_lora_numel_ = 0;
   uint64_t peak_anon_ = 0;
+  std::set<std::string> ran_;              // programs run at least once
+  std::vector<std::string> memory_events_;  // JSON objects, in order
 };
 
 }  // namespace mesp
