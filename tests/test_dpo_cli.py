@@ -140,3 +140,24 @@ def test_refusals(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(sft) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mesp: error: {bad}:5: ") and err.count("\n") == 1
+
+
+def test_dpo_resume_is_bit_identical_and_keeps_the_objective(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 steps + --resume to 4 gives the adapter of 4 steps straight (the pair stream's
+    position and the objective are in the state); resuming as ORPO is refused."""
+    data = write_pairs(tmp_path / "pairs.jsonl", 16)
+    flags = dict(batch_size=2, lr="1e-2", rank=2, eval_every=0, warmup=0, seq_len=48, save_every=1)
+    flags |= dict(valid_fraction=0.25, eval_batches=1, schedule="constant")  # steps change
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(train_argv(model_dir, data, whole, "--objective", "dpo", steps=4, **flags)) == 0
+    assert main(train_argv(model_dir, data, part, "--objective", "dpo", steps=2, **flags)) == 0
+    resume = ["train", "--resume", str(part), "--steps", "4", "--no-progress"]
+    assert main(resume) == 0
+    a = (whole / "adapter_model.safetensors").read_bytes()
+    assert a == (part / "adapter_model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main([*resume, "--objective", "orpo"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "objective" in err
