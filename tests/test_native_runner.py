@@ -28,7 +28,7 @@ STEP_LINE = re.compile(
 )
 SAVED_LINE = re.compile(
     r"^saved .+ after \d+ steps in \d+\.\d s; peak RSS \d+\.\d MiB \(anon \d+\.\d MiB\); "
-    r"planned memory \d+\.\d MiB$"
+    r"planned memory \d+\.\d MiB; \d+ threads$"
 )
 
 
@@ -204,6 +204,7 @@ def test_trains_and_saves_a_peft_adapter(
     assert len(lines) == 4, r.stdout
     assert all(STEP_LINE.match(x) for x in lines[:3]), lines
     assert SAVED_LINE.match(lines[3]), lines[3]
+    assert lines[3].endswith("; 1 threads"), lines[3]  # --threads 1: the pool it ran on
     steps = [json.loads(x) for x in log.read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     # memory accounting: after load, then before / after each program's first run, on step 1

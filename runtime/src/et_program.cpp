@@ -18,7 +18,9 @@
 
 #include "error.h"
 
-// The wheel ships no threadpool.h; these two declarations match libexecutorch_threadpool.so
+struct pthreadpool;  // pthreadpool's opaque pool (C, global namespace)
+
+// The wheel ships no threadpool.h; these declarations match libexecutorch_threadpool.so
 // (extension/threadpool/threadpool.h upstream: non-virtual members, so the ABI is the symbol).
 namespace executorch::extension::threadpool {
 class ThreadPool {
@@ -26,7 +28,9 @@ class ThreadPool {
   bool _unsafe_reset_threadpool(uint32_t num_threads);
 };
 ThreadPool* get_threadpool();
+::pthreadpool* get_pthreadpool();  // the pool XNNPACK's kernels run on
 }  // namespace executorch::extension::threadpool
+extern "C" size_t pthreadpool_get_threads_count(::pthreadpool* pool);
 
 namespace mesp {
 
@@ -143,6 +147,12 @@ void Programs::set_threads(int n) {
     auto* pool = executorch::extension::threadpool::get_threadpool();
     if (pool != nullptr) pool->_unsafe_reset_threadpool(static_cast<uint32_t>(n));
   }
+}
+
+int Programs::threads() {
+  init_executorch();
+  ::pthreadpool* pool = executorch::extension::threadpool::get_pthreadpool();
+  return pool == nullptr ? 1 : static_cast<int>(pthreadpool_get_threads_count(pool));
 }
 
 static void check_meta(const Loaded& p, const et::MethodMeta& meta) {

@@ -41,6 +41,8 @@ class Programs {
 
   // --threads: resize ExecuTorch's shared thread pool (0 leaves the default).
   static void set_threads(int n);
+  // Threads the delegated kernels run on (1 where there is no pool).
+  static int threads();
 
  private:
   struct Impl;

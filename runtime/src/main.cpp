@@ -190,9 +190,9 @@ int run(int argc, char** argv) {
   const MemInfo m = mem_info();
   std::printf(
       "saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB); planned memory %.1f "
-      "MiB\n",
+      "MiB; %d threads\n",
       a.out.c_str(), static_cast<long long>(a.steps), now_seconds() - t0, mib(m.peak_rss),
-      mib(trainer.peak_anon()), mib(programs.planned_bytes()));
+      mib(trainer.peak_anon()), mib(programs.planned_bytes()), Programs::threads());
   std::fflush(stdout);
   if (log != nullptr) std::fclose(log);
   return 0;
