@@ -17,7 +17,7 @@ from mesp.ops import matmul as mm
 from mesp.ops.attention import attention, attention_bwd, attention_fwd
 from mesp.quant import QuantSpec
 from tests.engine_cases import grads_of, model_with_adapter, padded_batch
-from tests.hf_tiny import FAMILIES
+from tests.hf_tiny import FAMILIES, LATER
 
 BF16 = torch.bfloat16
 _aten = torch.ops.aten
@@ -202,8 +202,14 @@ def test_attention_in_fp32_is_the_upcast_flash_call_and_its_autograd_is_attentio
 
 
 @pytest.mark.usefixtures("fp32_mode")
-@pytest.mark.parametrize("quant", [None, QuantSpec(4, 32)], ids=["dense", "q4"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(  # the later families' 4-bit cases in the slow suite (time)
+    "family,quant",
+    [
+        pytest.param(f, q, id=f"{f}-{qid}", marks=pytest.mark.slow if f in LATER and q else ())
+        for f in FAMILIES
+        for q, qid in ((None, "dense"), (QuantSpec(4, 32), "q4"))
+    ],
+)
 def test_bf16_mebp_bit_identical_and_mesp_close_to_bp(family: str, quant: QuantSpec | None) -> None:
     """mebp recomputes bp's ops: the same bits. mesp's hand backward rounds in another order,
     so bf16 rounding apart (measured: cosine >= 0.99995, max rel. error <= 0.016)."""

@@ -25,7 +25,7 @@ from mesp.nn.functions import (
 )
 from mesp.patch import patch, patch_record, unpatch
 from mesp.quant import QuantSpec
-from tests.hf_tiny import FAMILIES, hf_model
+from tests.hf_tiny import FAMILIES, LATER, hf_model
 
 F64 = torch.float64
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' renames
@@ -354,7 +354,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(  # the Trainer takes ~15 s a case: the later families' in the slow suite
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f in LATER else f for f in FAMILIES]
+)
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_trainer_losses_match(
     tmp_path: Path, checkpointing: bool, family: str, calls: dict[str, int]
