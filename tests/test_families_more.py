@@ -148,6 +148,9 @@ def test_a_merged_gguf_refuses_in_one_line(family: str, tmp_path: Path) -> None:
     assert main(train_argv(base, data, ad, steps=1, seq_len=32, quantize="none")) == 0
     argv = ["merge", "--model", str(base), "--adapter", str(ad), "--out", str(tmp_path / "m.gguf")]
     assert main(argv) == 2
+    argv = ["export-adapter", "--model", str(base), "--adapter", str(ad)]
+    assert main([*argv, "--out", str(tmp_path / "a.gguf")]) == 2  # one line, not a KeyError
+    assert not (tmp_path / "a.gguf").exists()
 
 
 @pytest.mark.parametrize("family", ["mistral", "smollm3"])

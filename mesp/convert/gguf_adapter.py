@@ -56,8 +56,13 @@ def export_adapter(opts: ModelOptions, e: ExportAdapterOptions) -> str:
     qtype, ftype = ADAPTER_TYPES[e.gguf_type]
     check_output_dir(out.parent)
     loaded = open_model(opts)  # the base only names and shapes the tensors; any precision does
-    lcfg = load_adapter(loaded.model, adapter_dir(e.adapter))
     cfg = loaded.model.config
+    if cfg.family not in ARCHS:  # Mistral (its window), SmolLM3, Granite: no writer yet
+        raise MespError(
+            f"{loaded.source}: a llama.cpp adapter for {cfg.family} is not supported yet "
+            f"(supported: {', '.join(ARCHS)}); the PEFT adapter directory works with PEFT"
+        )
+    lcfg = load_adapter(loaded.model, adapter_dir(e.adapter))
     mods = loaded.model.lora_modules()
     names = gguf_names(cfg, [f"{n}.weight" for n in mods])
     tensors = {}
