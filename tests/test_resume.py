@@ -225,7 +225,7 @@ def test_runs_saved_before_train_on_existed_still_resume() -> None:
     from mesp.training.checkpoint import fingerprint
 
     cfg = SimpleNamespace(to_hf=lambda: {"model_type": "llama"})
-    loaded = SimpleNamespace(source="m", model=SimpleNamespace(config=cfg))
+    loaded = SimpleNamespace(source="m", model=SimpleNamespace(config=cfg), base="")
 
     def fp(data: DataConfig) -> dict:
         return fingerprint(loaded, ModelOptions(), "mesp", {}, data, LoraConfig(), TrainConfig())
