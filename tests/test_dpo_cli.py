@@ -85,6 +85,7 @@ def test_truncation_is_prompt_first_and_errors_name_the_line(tmp_path: Path) -> 
         load_pairs(f, None, 2, overlong="error", vocab=300)
 
 
+@pytest.mark.slow  # 25 s: 25 steps and 3 validations (the resume test trains in the fast suite)
 def test_train_dpo_raises_preference_accuracy(model_dir: Path, tmp_path: Path) -> None:
     data, out = write_pairs(tmp_path / "pairs.jsonl"), tmp_path / "ad"
     argv = train_argv(
