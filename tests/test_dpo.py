@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mesp.batch import Batch
 from mesp.engines import make_engine
 from mesp.engines.loss import LossSpec
-from mesp.engines.objective import Objective, PreferenceEngine, adapters_off
+from mesp.engines.objective import Objective, PreferenceEngine, adapters_off, pair_terms
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, apply_lora
 from mesp.ops.cross_entropy import CEOptions, chunked_ce_row_losses
@@ -167,3 +167,31 @@ def test_row_losses_are_each_tokens_cross_entropy(family: str, opts: CEOptions) 
     # fp32 log-softmax of O(10) logits in another order: a few ulps of the largest loss
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     assert bool((got[~batch.mask.flatten()] == 0).all())
+
+
+def test_sequence_derivatives_are_the_closed_forms() -> None:
+    """dL/dlp per sequence, as the engines weight tokens by it: DPO −β·σ(−β·Δ)/P for the
+    chosen row (opposite for the rejected); ORPO −1/N_c − λ/P·σ(−lo)/(n_c·(1 − e^m_c)) for the
+    chosen row, +λ/P·σ(−lo)/(n_r·(1 − e^m_r)) for the rejected (m = lp/n, lo the log odds)."""
+    lp = torch.tensor([-3.0, -5.0, -9.0, -4.0], dtype=torch.float64)
+    ref = torch.tensor([-3.5, -4.0, -8.0, -4.5], dtype=torch.float64)
+    n = torch.tensor([3.0, 4.0, 5.0, 2.0], dtype=torch.float64)
+    c, r, p = slice(0, None, 2), slice(1, None, 2), 2
+
+    def grad(obj: Objective) -> torch.Tensor:
+        x = lp.clone().requires_grad_()
+        loss, _ = pair_terms(obj, x, ref, n)
+        return torch.autograd.grad(loss, x)[0]
+
+    beta, lam = 0.3, 0.7
+    s = torch.sigmoid(-beta * ((lp[c] - lp[r]) - (ref[c] - ref[r])))
+    g = grad(Objective("dpo", beta=beta))
+    torch.testing.assert_close(g[c], -beta * s / p, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g[r], beta * s / p, rtol=1e-12, atol=0)
+    m = lp / n
+    lo = (m[c] - m[r]) - (torch.log1p(-m[c].exp()) - torch.log1p(-m[r].exp()))
+    sg = torch.sigmoid(-lo)
+    g = grad(Objective("orpo", orpo_lambda=lam))
+    want_c = -1 / n[c].sum() - lam / p * sg / (n[c] * (1 - m[c].exp()))
+    torch.testing.assert_close(g[c], want_c, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g[r], lam / p * sg / (n[r] * (1 - m[r].exp())), rtol=1e-12, atol=0)
