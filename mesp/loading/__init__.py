@@ -44,17 +44,18 @@ def load_model(
         raise MespError(f"{p}: no such file or directory")
     if p.is_file() and p.suffix == ".gguf":
         from mesp.loading.gguf import GGUFFile
-        from mesp.loading.gguf_stored import describe, requantize_cost
+        from mesp.loading.gguf_stored import RequantizeCost, describe
 
         with GGUFFile(p) as g:  # each tensor read from the map only when built
             cfg = ModelConfig.from_hf(g.config, source=str(p))
-            src = TensorSource(g.names, g.tensor, str(p))
             stored = keep_stored and g.quantized
+            cost = RequantizeCost(g, quant) if quant and g.quantized and not stored else None
+            src = TensorSource(g.names, cost.tensor if cost else g.tensor, str(p))
             if stored:
                 src.stored, quant = g.packed, None
             model = build_model(cfg, src, dtype, quant)
-            if quant is not None and g.quantized:
-                requantize_cost(model, g, quant)
+            if cost is not None:
+                cost.warn()
             base = describe(g, expected_tensors(model)) if stored else ""
             return Loaded(model, g.tokenizer, str(p), "gguf", base)
     if p.is_dir():

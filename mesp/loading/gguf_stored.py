@@ -2,7 +2,7 @@
 
 `mesp` keeps llama.cpp's codes as stored by default (gguf_codes.py): the model trained is the
 model llama.cpp runs. `--quantize 4|8` dequantizes and quantizes them again to MLX's group-64
-layout, a second rounding on top of llama.cpp's; `requantize_cost` measures it on the file at
+layout, a second rounding on top of llama.cpp's; `RequantizeCost` measures it on the file at
 hand and says so (SmolLM2-135M Q4_1: validation perplexity 48.8 -> 73.3, README).
 """
 
@@ -16,9 +16,7 @@ import torch
 
 from mesp.loading.gguf import GGUFFile
 from mesp.loading.gguf_codes import STORED, stored_bits
-from mesp.models.linear import FrozenWeight
-from mesp.models.transformer import CausalLM
-from mesp.quant import QuantSpec, quantized_bytes
+from mesp.quant import QuantSpec, dequantize, quantize, quantized_bytes
 
 log = logging.getLogger("mesp")
 
@@ -61,31 +59,41 @@ def describe(g: GGUFFile, shapes: dict[str, tuple[int, ...]]) -> str:
     return f"llama.cpp's {', '.join(parts)} as stored"
 
 
-@torch.no_grad()
-def requantize_cost(model: CausalLM, g: GGUFFile, quant: QuantSpec) -> float:
-    """Warn, with the measured relative error of the requantized weights against the file's
-    own (‖W_requant − W_file‖ / ‖W_file‖ over every requantized matrix); returns it."""
-    err = ref = 0.0
-    types = set()
-    for name, mod in model.named_modules():
-        hf = f"{name}.weight"
-        if not isinstance(mod, FrozenWeight) or mod.quant is None or hf not in g.names:
-            continue
-        if g.qtype(hf) not in STORED:
-            continue
-        types.add(g.qtype(hf).name)
-        w = g.tensor(hf)
-        err += float((mod.dense(torch.float32) - w).double().square().sum())
-        ref += float(w.double().square().sum())
-    rel = (err / ref) ** 0.5 if ref else 0.0
-    seen = " (SmolLM2's Q4_1 at 4 bits: perplexity +50%, README)" if quant.bits == 4 else ""
-    log.warning(
-        "--quantize %d requantizes this file's %s codes to %d-bit group %d: a second rounding, "
-        "%.1f%% relative weight error against the file's own weights%s; leave --quantize out "
-        "to train the weights as stored",
-        quant.bits, "/".join(sorted(types)), quant.bits, quant.group_size, 100 * rel, seen,
-    )  # fmt: skip
-    return rel
+class RequantizeCost:
+    """Measures, while the model loads, what requantizing a GGUF's codes costs: each weight the
+    loader reads is quantized once more here, in row blocks, and compared with the file's own
+    values (so the measurement holds no more than the tensor the loader already holds), then
+    `warn` says the relative error ‖W_requant − W_file‖ / ‖W_file‖ over every such matrix."""
+
+    def __init__(self, g: GGUFFile, quant: QuantSpec) -> None:
+        self.g, self.quant, self.err, self.ref, self.types = g, quant, 0.0, 0.0, set()
+
+    @torch.no_grad()
+    def tensor(self, hf_name: str) -> torch.Tensor:
+        w = self.g.tensor(hf_name)
+        qt = self.g.qtype(hf_name)
+        if qt not in STORED or w.ndim != 2 or w.shape[1] % self.quant.group_size:
+            return w  # kept dense by the loader (FrozenWeight.set_dense), or not a matrix
+        self.types.add(qt.name)
+        step = max(1, (1 << 20) // w.shape[1])
+        for a in range(0, w.shape[0], step):
+            part = w[a : a + step]
+            back = dequantize(*quantize(part, self.quant), self.quant, torch.float32)
+            self.err += float(torch.linalg.vector_norm(back.sub_(part), dtype=torch.float64) ** 2)
+            self.ref += float(torch.linalg.vector_norm(part, dtype=torch.float64) ** 2)
+        return w
+
+    def warn(self) -> float:
+        rel = (self.err / self.ref) ** 0.5 if self.ref else 0.0
+        q = self.quant
+        seen = " (SmolLM2's Q4_1 at 4 bits: perplexity +50%, README)" if q.bits == 4 else ""
+        log.warning(
+            "--quantize %d requantizes this file's %s codes to %d-bit group %d: a second "
+            "rounding, %.1f%% relative weight error against the file's own weights%s; leave "
+            "--quantize out to train the weights as stored",
+            q.bits, "/".join(sorted(self.types)), q.bits, q.group_size, 100 * rel, seen,
+        )  # fmt: skip
+        return rel
 
 
 def info_lines(g: GGUFFile, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> list[str]:
