@@ -76,7 +76,9 @@ def test_executorch_trains_like_the_engine(  # type: ignore[no-untyped-def]
             )
     ref = T._engine_run(case, rows, STEPS, adamw_lr=None if opt == "sgd" else LR[opt])  # type: ignore[arg-type]
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= TOL[opt], (losses, ref)
-    assert losses[-1] < losses[0]
+    # it trained: the first row's loss, met again every len(rows) steps, has fallen (the last
+    # step's row is another row: Granite's tiny model scores it above the first's untrained)
+    assert losses[len(rows) * ((STEPS - 1) // len(rows))] < losses[0], losses
     params = _params(case)
     for i, lora in enumerate(trainer.lora):
         for k, p in lora.items():
