@@ -168,6 +168,7 @@ def peft_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step, 
         opt.step()
         return float(loss.item())
 
+    step.model = model  # type: ignore[attr-defined]  # mesp bench dpo runs its own loss on it
     return step, frozen, params, (opt, None, None)
 
 

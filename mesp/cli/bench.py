@@ -1,4 +1,4 @@
-"""`mesp bench {table1,...,ladder,softmax,dequant,decode,dropin,ondevice,profile,speed}`: flags
+"""`mesp bench {table1,...,ladder,softmax,dequant,decode,dropin,ondevice,profile,speed,dpo}`: flags
 to the benchmarks.
 
 `quick` is table 1 on a tiny 2-layer shape (about a minute; what the tests run); `--quick`
@@ -33,6 +33,7 @@ TABLE_CHOICES = (
     "ondevice",
     "profile",
     "speed",
+    "dpo",
 )
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -178,6 +179,9 @@ def run(ns: argparse.Namespace) -> int:
         return bench_studies.run_decode(ns)
     if ns.table == "ondevice":
         return bench_studies.run_ondevice(ns)
+    if ns.table == "dpo":
+        ns.dtype = ns.dtype or cpu_dtype()
+        return bench_studies.run_dpo(ns)
     if ns.table in ("profile", "speed"):  # each checks its own --steps / --warmup
         ns.dtype = ns.dtype or cpu_dtype()
         run_study = bench_studies.run_profile if ns.table == "profile" else bench_studies.run_speed

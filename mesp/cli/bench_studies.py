@@ -90,6 +90,34 @@ def run_dequant(ns: argparse.Namespace) -> int:
     )
 
 
+def run_dpo(ns: argparse.Namespace) -> int:
+    """A DPO step beside SFT on the same tokens, mesp and HF + PEFT + gc (mesp/bench/dpo.py):
+    one --shapes / --seq (per sequence) / --rank, --steps rounds after --warmup steps each;
+    --engines picks among the variants (mesp-sft and mesp-dpo always)."""
+    from mesp.bench.dpo import VARIANTS, line, run_dpo
+
+    variants = tuple(ns.engines) if ns.engines else VARIANTS
+    shape = (ns.shapes or ("qwen2.5-0.5b",))[0]
+    seq, rank = (ns.seq or (256,))[0], (ns.rank or (8,))[0]
+    if len(ns.shapes or ()) > 1 or len(ns.seq or ()) > 1 or len(ns.rank or ()) > 1:
+        raise MespError("dpo: one --shapes, --seq and --rank at a time")
+    parts = ["mesp", "bench", "dpo", "--shapes", shape, "--seq", str(seq), "--rank", str(rank)]
+    parts += ["--engines", ",".join(variants)] if ns.engines else []
+    parts += ["--dtype", ns.dtype, "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    parts += ["--threads", str(ns.threads)] if ns.threads else []
+    parts += ["--out", str(ns.out)] + (["--markdown", str(ns.markdown)] if ns.markdown else [])
+    if ns.threads:
+        import torch
+
+        torch.set_num_threads(ns.threads)
+    cmd = shlex.join(parts)
+    return measure_then_report(
+        ns,
+        lambda: run_dpo(ns.out, shape, seq, rank, ns.dtype, ns.steps, ns.warmup, cmd, variants),
+        line,
+    )
+
+
 def run_speed(ns: argparse.Namespace) -> int:
     """Variants' step times side by side in one process (mesp/bench/speed.py): --engines
     (the first is the reference of the ratios; `name:dtype` for a dtype of its own), one
