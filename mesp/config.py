@@ -23,6 +23,7 @@ MODEL_TYPES = {
     "mistral": "mistral",
     "smollm3": "smollm3",
     "granite": "granite",
+    "olmo2": "olmo2",
 }
 # rope_theta when config.json names none (transformers' default_theta per family)
 DEFAULT_THETA = {"gemma3": 1_000_000.0, "smollm3": 2_000_000.0}
@@ -213,7 +214,7 @@ class ModelConfig:
 
 
 def _new_families(d: dict[str, Any], family: str, n_layers: int, source: str) -> dict[str, Any]:
-    """The keys of Mistral, SmolLM3 and Granite, read as transformers reads them."""
+    """The keys of Mistral, SmolLM3, Granite and OLMo 2, read as transformers reads them."""
     if d.get("mlp_bias"):
         raise MespError(f"{source}: mlp_bias is not supported")
     if family == "mistral":  # a window on every layer; absent means transformers' 4096
@@ -230,6 +231,10 @@ def _new_families(d: dict[str, Any], family: str, n_layers: int, source: str) ->
         return {"rope_layers": rope, "layer_types": list(types), "sliding_window": win}
     if family == "granite":
         return {k: float(d.get(k, 1.0)) for k in GRANITE_KEYS}
+    if family == "olmo2":
+        if d.get("attention_bias"):  # OLMo 2's o_proj then has a bias too, which we do not build
+            raise MespError(f"{source}: attention_bias is not supported for OLMo 2")
+        return {"rms_norm_eps": float(d.get("rms_norm_eps", 1e-5))}  # transformers' default
     return {}
 
 

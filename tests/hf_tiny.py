@@ -12,8 +12,13 @@ from mesp.loading.build import TensorSource, build_model
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "smollm3", "granite")
-LATER = ("mistral", "smollm3", "granite")  # issue 29's: their slowest cases run in the slow suite
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "smollm3", "granite", "olmo2")
+LATER = (
+    "mistral",
+    "smollm3",
+    "granite",
+    "olmo2",
+)  # issue 29's: their slowest cases run in the slow suite
 
 BASE = dict(
     vocab_size=211,
@@ -66,6 +71,10 @@ def hf_config(family: str, **over):  # type: ignore[no-untyped-def]
             logits_scaling=2.5,
         )
         return tf.GraniteConfig(tie_word_embeddings=True, rope_theta=3000.0, **{**scalars, **kw})
+    if family == "olmo2":  # post-branch norms, q/k norms over the whole projection (perturbed)
+        specials = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # in the tiny vocab
+        rope = {"rope_type": "default", "rope_theta": 4000.0}
+        return tf.Olmo2Config(tie_word_embeddings=False, rope_parameters=rope, **specials, **kw)
     kw.setdefault("sliding_window", 5)
     kw.setdefault("layer_types", ["sliding_attention", "full_attention"])
     return tf.Gemma3TextConfig(

@@ -20,7 +20,7 @@ from mesp.ops.attention import attention_bwd, attention_fwd, sliding_mask
 from mesp.ops.cross_entropy import chunked_ce_loss, chunked_ce_loss_and_grad
 from mesp.ops.lora_linear import lora_linear, lora_linear_backward, lora_linear_with_h
 from mesp.ops.mlp import gated_act, gated_act_backward
-from mesp.ops.norm import rms_norm, rms_norm_backward
+from mesp.ops.norm import rms_norm, rms_norm_backward, rms_norm_heads, rms_norm_heads_backward
 from mesp.ops.rope import apply_rope, apply_rope_backward, rope_tables
 from mesp.quant import QuantSpec
 
@@ -52,6 +52,26 @@ def test_rms_norm_backward(offset: float) -> None:
     (gx,) = torch.autograd.grad(ref, xr, dy)
     assert rel(rms_norm(x, w, 1e-6, offset), ref.detach()) < TOL
     assert rel(rms_norm_backward(dy, x, w, 1e-6, offset), gx) < TOL
+
+
+def test_rms_norm_heads_backward() -> None:
+    """OLMo 2's q/k norm: one RMS over all heads of a token, against float64 autograd of the
+    HF form (RMSNorm on the (B, S, H·D) projection, then split into heads)."""
+    b, h, s, d = 2, 3, 5, 8
+    x, w, dy = randn(b, h, s, d, seed=1), randn(h * d, seed=2) * 0.3, randn(b, h, s, d, seed=3)
+    xr = x.clone().requires_grad_()
+    flat = xr.transpose(1, 2).reshape(b, s, h * d)
+    ref = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    ref = ref.view(b, s, h, d).transpose(1, 2)
+    (gx,) = torch.autograd.grad(ref, xr, dy)
+    assert rel(rms_norm_heads(x, w, 1e-6), ref.detach()) < TOL
+    assert rel(rms_norm_heads_backward(dy, x, w, 1e-6), gx) < TOL
+    # not the per-head norm: the heads share one scale
+    per_head = rms_norm(x, w.view(h, 1, d)[0, 0], 1e-6)
+    assert rel(per_head, ref.detach()) > 1e-3
+    assert torch.autograd.gradcheck(
+        lambda t: rms_norm_heads(t, w, 1e-6), (x[:1, :, :2].clone().requires_grad_(),)
+    )
 
 
 ROPES = {

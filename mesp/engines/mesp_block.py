@@ -7,12 +7,12 @@ import torch
 from torch import Tensor
 
 from mesp.models.linear import Linear
-from mesp.models.transformer import MLP, Block, RMSNorm, SeqContext, Tape
+from mesp.models.transformer import MLP, Block, HeadsRMSNorm, RMSNorm, SeqContext, Tape
 from mesp.ops.attention import attention_bwd, fwd_matches_attention
 from mesp.ops.lora_linear import lora_linear_backward
 from mesp.ops.matmul import linear
 from mesp.ops.mlp import gated_act, gated_act_backward
-from mesp.ops.norm import rms_norm_backward
+from mesp.ops.norm import rms_norm_backward, rms_norm_heads_backward
 from mesp.ops.rope import apply_rope_backward
 
 H_STRATEGIES = ("recompute", "store")
@@ -25,6 +25,8 @@ def _grad(p: torch.nn.Parameter) -> Tensor:
 
 
 def norm_bwd(dy: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
+    if isinstance(norm, HeadsRMSNorm):  # OLMo 2's q/k norm: one RMS over all heads of a token
+        return rms_norm_heads_backward(dy, x, norm.weight, norm.eps)
     if norm.divisor != 1.0:  # y = rms_norm(x)/s (Granite's final norm): dy/s into the norm
         dy = dy / norm.divisor
     return rms_norm_backward(dy, x, norm.weight, norm.eps, norm.offset)
@@ -147,16 +149,23 @@ def block_backward(
 
     # MLP half: y = x2 + [post_ff_norm](down(act(gate)·up)), gate/up = proj(n2); Granite
     # scales the branch by m before the add, so the branch sees m·dy
-    dd = norm_bwd(dy, tape.pop("d"), block.post_feedforward_layernorm) if block.sandwich else dy
+    post = block.sandwich or block.post_norms  # Gemma3, OLMo 2: a norm on each branch's output
+    dd = norm_bwd(dy, tape.pop("d"), block.post_feedforward_layernorm) if post else dy
     dd = block.branch(dd)
     dn2 = _mlp_backward(mlp, dd, tape, hs)
     del dd
-    norm2 = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
-    dx2 = dy + norm_bwd(dn2, tape.pop("x2"), norm2)  # residual + through the norm
-    del dn2, dy
+    x2 = tape.pop("x2")
+    if block.post_norms:  # OLMo 2: n2 = x2, no pre-MLP norm
+        dx2 = dy + dn2
+    else:
+        norm2 = (
+            block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
+        )
+        dx2 = dy + norm_bwd(dn2, x2, norm2)  # residual + through the norm
+    del dn2, dy, x2
 
     # Attention half: x2 = x + [post_attn_norm](o_proj(attn(rope(q), rope(k), v)))
-    da = norm_bwd(dx2, tape.pop("a"), block.post_attention_layernorm) if block.sandwich else dx2
+    da = norm_bwd(dx2, tape.pop("a"), block.post_attention_layernorm) if post else dx2
     da = block.branch(da)
     o = tape.pop("o")
     b, h, s, d = o.shape
@@ -195,4 +204,6 @@ def block_backward(
     dn1 += dk_in
     dn1 += dv_in
     del dk_in, dv_in
+    if block.input_layernorm is None:  # OLMo 2: n1 = x
+        return dx2.add_(dn1)
     return dx2.add_(norm_bwd(dn1, x, block.input_layernorm))

@@ -13,3 +13,8 @@ class FamilySpec:
     sandwich_norms: bool = False  # norms after attention and MLP too, 4 per block (Gemma3)
     activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden) (Gemma)
+    # OLMo 2: q/k RMSNorm over the whole projection (all heads of a token: H·D values)
+    qk_norm_whole: bool = False
+    # OLMo 2: no input norm; one norm on the attention output and one on the MLP output, each
+    # before its residual add (the MLP reads the residual stream unnormed)
+    post_norms: bool = False

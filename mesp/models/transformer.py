@@ -18,7 +18,7 @@ from mesp.models.linear import FrozenWeight, Linear, frozen_matmul
 from mesp.models.spec import FamilySpec
 from mesp.ops.attention import attention, attention_fwd, sliding_mask
 from mesp.ops.mlp import gated_act
-from mesp.ops.norm import rms_norm
+from mesp.ops.norm import rms_norm, rms_norm_heads
 from mesp.ops.rope import apply_rope, rope_tables
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,6 +60,13 @@ class RMSNorm(nn.Module):
         return y if self.divisor == 1.0 else y / self.divisor
 
 
+class HeadsRMSNorm(RMSNorm):
+    """OLMo 2's q/k norm: weight (H·D), one RMS over all heads of a token, on (B, H, S, D)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm_heads(x, self.weight, self.eps)
+
+
 class Attention(nn.Module):
     def __init__(
         self, cfg: ModelConfig, spec: FamilySpec, dtype: torch.dtype, rope: bool = True
@@ -78,12 +85,15 @@ class Attention(nn.Module):
         self.k_proj = Linear(hid, kv * d, bias, dtype)
         self.v_proj = Linear(hid, kv * d, bias, dtype)
         self.o_proj = Linear(h * d, hid, False, dtype)
-        self.q_norm = (
-            RMSNorm(d, cfg.rms_norm_eps, spec.norm_offset, dtype) if spec.qk_norm else None
-        )
-        self.k_norm = (
-            RMSNorm(d, cfg.rms_norm_eps, spec.norm_offset, dtype) if spec.qk_norm else None
-        )
+        eps, off = cfg.rms_norm_eps, spec.norm_offset
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if spec.qk_norm_whole:  # OLMo 2: over the whole projection, weights (H·D) / (KV·D)
+            self.q_norm = HeadsRMSNorm(h * d, eps, off, dtype)
+            self.k_norm = HeadsRMSNorm(kv * d, eps, off, dtype)
+        elif spec.qk_norm:  # Qwen3, Gemma3: per head, weights (D)
+            self.q_norm = RMSNorm(d, eps, off, dtype)
+            self.k_norm = RMSNorm(d, eps, off, dtype)
 
     def qkv(
         self, x: Tensor, cos: Tensor, sin: Tensor, tape: Tape | None = None
@@ -178,12 +188,17 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, spec, dtype, cfg.rope_layers[idx])
         self.residual = cfg.residual_multiplier  # Granite: each branch × it before the add
         self.mlp = MLP(cfg, spec, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
-        # Llama/Qwen: the pre-MLP norm. Gemma3: the norm on the attention output.
+        # OLMo 2 has no input norm (post_norms): the attention reads the residual stream
+        self.post_norms = spec.post_norms
+        self.input_layernorm = (
+            None if spec.post_norms else RMSNorm(cfg.hidden_size, eps, off, dtype)
+        )
+        # Llama/Qwen: the pre-MLP norm. Gemma3, OLMo 2: the norm on the attention output.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
         self.sandwich = spec.sandwich_norms
         if spec.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
+        if spec.sandwich_norms or spec.post_norms:
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off, dtype)
 
     def forward(
@@ -193,11 +208,11 @@ class Block(nn.Module):
         (hand) backward needs: the inputs of every LoRA linear, norm and nonlinearity."""
         t = self.layer_type
         c = None if cache is None else (cache, self.idx)
-        n1 = self.input_layernorm(x)
+        n1 = x if self.input_layernorm is None else self.input_layernorm(x)
         a = self.self_attn(n1, ctx.cos[t], ctx.sin[t], ctx.mask[t], c, self.window, tape)
-        if self.sandwich:
+        if self.sandwich or self.post_norms:
             x2 = x + self.post_attention_layernorm(a)
-            n2 = self.pre_feedforward_layernorm(x2)
+            n2 = self.pre_feedforward_layernorm(x2) if self.sandwich else x2
             d = self.mlp(n2, tape)
             y = x2 + self.post_feedforward_layernorm(d)
         else:
@@ -207,7 +222,7 @@ class Block(nn.Module):
             y = x2 + self.branch(d)
         if tape is not None:
             tape.update(n1=n1, x2=x2, n2=n2)
-            if self.sandwich:  # the post-norms' backward needs their inputs
+            if self.sandwich or self.post_norms:  # the post-norms' backward needs their inputs
                 tape.update(a=a, d=d)
         return y
 

@@ -40,9 +40,19 @@ FAMILIES = (
     "MistralForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
 )
 # MLPs whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)).
-_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "MistralMLP", "SmolLM3MLP", "GraniteMLP")
+_MLPS = (
+    "LlamaMLP",
+    "Qwen2MLP",
+    "Qwen3MLP",
+    "Gemma3MLP",
+    "MistralMLP",
+    "SmolLM3MLP",
+    "GraniteMLP",
+    "Olmo2MLP",
+)
 _RECORD = "_mesp_patch"
 
 
