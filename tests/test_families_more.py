@@ -21,7 +21,7 @@ from mesp.models.transformer import KVCache
 from tests.hf_tiny import BASE, hf_model, mesp_from_hf
 from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
-NEW = ("mistral", "smollm3", "granite")
+NEW = ("mistral", "smollm3", "granite", "olmo2")
 IDS = torch.randint(0, 211, (2, 19), generator=torch.Generator().manual_seed(1))  # 19 > window 5
 
 

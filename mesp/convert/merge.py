@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 

@@ -10,6 +10,7 @@ from mesp.config import ModelConfig
 from mesp.loading.build import expected_tensors
 from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import lora_param_count
+from mesp.models import FAMILIES
 from mesp.models.linear import FrozenWeight
 from mesp.models.transformer import LORA_TARGETS, CausalLM
 from mesp.quant import QuantSpec, quantized_bytes
@@ -106,6 +107,8 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
     if not all(cfg.rope_layers):  # SmolLM3's NoPE layers; Granite's four scalars
         n_nope = cfg.rope_layers.count(False)
         lines.append(f"no RoPE      on {n_nope} of {cfg.num_hidden_layers} layers")
+    if FAMILIES[cfg.family].post_norms:  # OLMo 2
+        lines.append("norms        after attention and MLP outputs; q/k over whole projections")
     if cfg.residual_multiplier is not None:
         lines.append(
             f"multipliers  embedding {cfg.embedding_multiplier:g}, residual "
