@@ -183,6 +183,40 @@ def test_attention_fp32(window: int | None, impl: str) -> None:
     assert rel(dq, gq) < 1e-5 and rel(dk, gk) < 1e-5 and rel(dv, gv) < 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 19], ids=["causal", "sliding19"])
+def test_attention_softcap_fwd_bwd_fp64(window: int | None) -> None:
+    """Gemma 2's logit soft-cap (cap·tanh(s/cap) before the mask) against float64 autograd of
+    the explicit form: the chunked pair (whatever impl asks: flash has no cap) and the autograd
+    path `attention` takes. cap 1.5 against scores of about unit size: tanh far from linear."""
+    cap = 1.5
+    q, k, v, dout = (
+        randn(B, H, S, D, seed=10),
+        randn(B, KV, S, D, seed=11),
+        randn(B, KV, S, D, seed=12),
+        randn(B, H, S, D, seed=13),
+    )
+    mask = sliding_mask(S, window, torch.device("cpu"))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    g = H // KV
+    sc = qr @ kr.repeat_interleave(g, 1).transpose(-1, -2) * SCALE
+    sc = torch.tanh(sc / cap) * cap
+    allow = torch.ones(S, S, dtype=torch.bool).tril() if mask is None else mask
+    sc = sc.masked_fill(~allow, -math.inf)
+    ref = torch.softmax(sc, -1) @ vr.repeat_interleave(g, 1)
+    gq, gk, gv = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    out, lse = attention_fwd(q, k, v, SCALE, mask, impl="auto", chunk=16, softcap=cap)
+    assert rel(out, ref.detach()) < TOL and rel(lse, torch.logsumexp(sc, -1).detach()) < TOL
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, SCALE, mask, chunk=16, softcap=cap)
+    assert rel(dq, gq) < TOL and rel(dk, gk) < TOL and rel(dv, gv) < TOL
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    out_a = attn_mod.attention(qa, ka, va, SCALE, mask, softcap=cap)
+    ga = torch.autograd.grad(out_a, (qa, ka, va), dout)
+    assert rel(out_a.detach(), ref.detach()) < TOL
+    assert all(rel(x, y) < TOL for x, y in zip(ga, (gq, gk, gv), strict=True))
+    # the cap is used: without it the output differs by far more than rounding
+    assert rel(attention_fwd(q, k, v, SCALE, mask)[0], ref.detach()) > 1e-3
+
+
 def test_attention_bf16_chunked_matches_flash() -> None:
     q, k, v, dout, mask, out_r, _, gq, gk, gv = attn_case(19)
     b = [t.bfloat16() for t in (q, k, v, dout)]

@@ -12,6 +12,8 @@ Elsewhere (CUDA, MPS, or a torch without the op): an exact query-chunked fallbac
 bf16 / fp16 on a CPU without a low-precision GEMM (`ops.matmul.computes_in_fp32`): the flash
 kernels run on fp32 copies and out, dq, dk, dv are rounded once; the autograd path then goes
 through the same forward / backward pair, so bp's attention gradients are mesp's.
+A logit soft-cap (Gemma 2: cap·tanh(s/cap) on the scores) always takes the query-chunked pair,
+under autograd too (_CappedAttention): the flash kernels have no cap.
 """
 
 from __future__ import annotations
@@ -39,10 +41,22 @@ def sliding_mask(seq_len: int, window: int | None, device: torch.device) -> Tens
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, causal: bool = True
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    causal: bool = True,
+    softcap: float | None = None,
 ) -> Tensor:
     """q (B, H, S, D), k/v (B, KV, T, D) -> (B, H, S, D). Causal unless an explicit mask is
     given; `causal=False` for single-token decoding against a KV cache."""
+    if softcap:
+        if mask is None and not (causal and q.shape[2] > 1):  # every key (decoding)
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _CappedAttention.apply(q, k, v, scale, mask, softcap)
+        return attention_chunked.chunked_fwd(q, k, v, scale, mask, 256, softcap)[0]
     if computes_in_fp32(q) and _use_flash(q, "auto"):
         causal = mask is None and causal and q.shape[2] > 1
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -117,13 +131,15 @@ def attention_fwd(
     mask: Tensor | None,
     impl: str = "auto",
     chunk: int = 256,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """q (B, H, S, D), k/v (B, KV, S, D) -> out (B, H, S, D) in q.dtype, lse (B, H, S) in fp32
     (fp64 for fp64 input). Causal when mask is None, else exactly `mask` (bool, True = attend,
-    or additive float), which must leave every query at least one key."""
-    if _use_flash(q, impl):
+    or additive float), which must leave every query at least one key. `softcap`: scores
+    cap·tanh(s/cap) (the chunked path, whatever impl says)."""
+    if not softcap and _use_flash(q, impl):
         return _flash_fwd(q, k, v, scale, mask, mask is None)
-    return attention_chunked.chunked_fwd(q, k, v, scale, mask, chunk)
+    return attention_chunked.chunked_fwd(q, k, v, scale, mask, chunk, softcap)
 
 
 def _flash_fwd(
@@ -171,13 +187,14 @@ def attention_bwd(
     mask: Tensor | None,
     impl: str = "auto",
     chunk: int = 256,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq (B, H, S, D), dk/dv (B, KV, S, D) (summed over each kv head's query group), given the
-    (out, lse) of `attention_fwd` with the same mask and scale (either impl's: lse layouts differ,
-    but both backward paths read any strides)."""
-    if _use_flash(q, impl):
+    (out, lse) of `attention_fwd` with the same mask, scale and softcap (either impl's: lse
+    layouts differ, but both backward paths read any strides)."""
+    if not softcap and _use_flash(q, impl):
         return _flash_bwd(dout, q, k, v, out, lse, scale, mask, mask is None)
-    return attention_chunked.chunked_bwd(dout, q, k, v, out, lse, scale, mask, chunk)
+    return attention_chunked.chunked_bwd(dout, q, k, v, out, lse, scale, mask, chunk, softcap)
 
 
 def _flash_bwd(
@@ -225,4 +242,24 @@ class _Fp32Attention(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[no-untyped-def, override]
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _flash_bwd(dout, q, k, v, out, lse, ctx.scale, ctx.mask, ctx.causal)
+        return dq, dk, dv, None, None, None
+
+
+class _CappedAttention(torch.autograd.Function):
+    """`attention` under autograd with a logit soft-cap: the query-chunked pair (the only one
+    with the cap), saving q, k, v, out and lse, so bp's attention gradients are mesp's call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask, softcap):  # type: ignore[no-untyped-def, override]
+        out, lse = attention_chunked.chunked_fwd(q, k, v, scale, mask, 256, softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.mask, ctx.softcap = scale, mask, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[no-untyped-def, override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_chunked.chunked_bwd(
+            dout, q, k, v, out, lse, ctx.scale, ctx.mask, 256, ctx.softcap
+        )
         return dq, dk, dv, None, None, None

@@ -1,6 +1,10 @@
 """Exact query-chunked attention, forward and backward: the fallback of mesp.ops.attention where
 the CPU flash kernels do not run (CUDA, MPS, a torch without them). At most (B, H, chunk, keys)
-scores exist at a time; math in fp32 or wider."""
+scores exist at a time; math in fp32 or wider.
+
+Gemma 2's attention logit soft-capping (`softcap`) lives here only (the flash kernels have no
+cap): the scores become cap·tanh(s/cap) before the mask, and the backward multiplies the score
+gradient by ∂/∂s = 1 − tanh²(s/cap) = 1 − (capped/cap)²."""
 
 from __future__ import annotations
 
@@ -13,10 +17,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_scores(
-    qc: Tensor, k: Tensor, scale: float, mask: Tensor | None, i0: int, i1: int
+    qc: Tensor,
+    k: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    i0: int,
+    i1: int,
+    softcap: float | None = None,
 ) -> tuple[Tensor, int, int]:
-    """Scaled, masked scores of queries i0:i1 against the keys they can reach, lo:hi.
-    qc (B, KV, g, c, D), k (B, KV, T, D) -> s (B, KV, g, c, hi − lo), plus lo, hi."""
+    """Scaled (and capped: cap·tanh(s/cap)), masked scores of queries i0:i1 against the keys
+    they can reach, lo:hi. qc (B, KV, g, c, D), k (B, KV, T, D) -> s (B, KV, g, c, hi − lo),
+    plus lo, hi."""
     n_keys = k.shape[2]
     if mask is None:  # causal, top-left aligned: query i sees keys 0 … i
         lo, hi = 0, min(i1, n_keys)
@@ -29,6 +40,8 @@ def _chunk_scores(
     else:
         lo, hi, allow = 0, n_keys, None
     s = torch.matmul(qc, k[:, :, lo:hi].unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    if softcap:  # as HF: s / cap, tanh, × cap, then the mask
+        s.div_(softcap).tanh_().mul_(softcap)
     if allow is None:
         s.add_(mask[i0:i1].to(s.dtype))  # type: ignore[index]
     else:
@@ -37,7 +50,13 @@ def _chunk_scores(
 
 
 def chunked_fwd(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, chunk: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    chunk: int,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per query chunk: s = q kᵀ·scale, lse = logsumexp(s), out = softmax(s) v (exact; every
     query row's softmax sees all its keys at once, so no online rescaling is needed)."""
@@ -47,7 +66,7 @@ def chunked_fwd(
     lse = torch.empty(b, kv, h // kv, n, dtype=ct, device=q.device)
     for i0 in range(0, n, chunk):
         i1 = min(i0 + chunk, n)
-        s, lo, hi = _chunk_scores(qg[:, :, :, i0:i1], kc, scale, mask, i0, i1)
+        s, lo, hi = _chunk_scores(qg[:, :, :, i0:i1], kc, scale, mask, i0, i1, softcap)
         m = torch.logsumexp(s, -1)
         lse[..., i0:i1] = m
         out[..., i0:i1, :] = torch.matmul(s.sub_(m.unsqueeze(-1)).exp_(), vc[:, :, None, lo:hi])
@@ -64,9 +83,12 @@ def chunked_bwd(
     scale: float,
     mask: Tensor | None,
     chunk: int,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """With p = exp(s − lse) recomputed per chunk and δ = rowsum(dout ∘ out):
     dv += pᵀ dout, dp = dout vᵀ, ds = p ∘ (dp − δ), dq = ds k·scale, dk += dsᵀ q·scale.
+    Under a softcap, s = cap·tanh(r/cap) of the raw scaled score r, so ds is first multiplied by
+    ds/dr = 1 − (s/cap)² (masked entries: p = 0, factor clamped to 0 so no inf·0 appears).
     Folding the group axis g into the query rows makes pᵀ dout / dsᵀ q sum over the group."""
     ct, (b, h, n, d), kv = _compute_dtype(q.dtype), q.shape, k.shape[1]
     g = h // kv
@@ -79,11 +101,14 @@ def chunked_bwd(
     for i0 in range(0, n, chunk):
         i1 = min(i0 + chunk, n)
         qc, doc = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]
-        s, lo, hi = _chunk_scores(qc, kc, scale, mask, i0, i1)
+        s, lo, hi = _chunk_scores(qc, kc, scale, mask, i0, i1, softcap)
+        dcap = None if not softcap else (1 - (s / softcap).square()).clamp_min_(0)
         p = s.sub_(lse_g[..., i0:i1, None]).exp_()  # (B, KV, g, c, t)
         dv[:, :, lo:hi] += p.flatten(2, 3).transpose(-1, -2) @ doc.flatten(2, 3)
         ds = torch.matmul(doc, vc[:, :, None, lo:hi].transpose(-1, -2))
         ds.sub_(delta[..., i0:i1, None]).mul_(p).mul_(scale)
+        if dcap is not None:  # through cap·tanh(r/cap)
+            ds.mul_(dcap)
         dq[:, :, :, i0:i1] = torch.matmul(ds, kc[:, :, None, lo:hi])
         dk[:, :, lo:hi] += ds.flatten(2, 3).transpose(-1, -2) @ qc.flatten(2, 3)
     return dq.view(b, h, n, d), dk.to(k.dtype), dv.to(v.dtype)
