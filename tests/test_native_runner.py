@@ -212,7 +212,9 @@ def test_trains_and_saves_a_peft_adapter(
     assert events[0]["at"] == "after load" and steps[1]["memory"] == steps[2]["memory"] == []
     firsts = [e["at"] for e in events[1:]]
     assert firsts[:2] == ["before first embed", "after first embed"] and len(firsts) % 2 == 0
-    assert {"after first loss"} <= set(firsts)
+    assert {"after first loss_start", "after first loss_slice", "after first loss_finish"} <= set(
+        firsts
+    )
     assert all(e["rss_anon_bytes"] > 0 and e["private_dirty_bytes"] > 0 for e in events)
     for s, line in zip(steps, lines[:3], strict=True):
         assert f"loss {s['loss']:.6f} " in line
@@ -350,7 +352,7 @@ def _truncate_block(d: Path) -> None:
 
 
 def _missing_pte(d: Path) -> None:
-    _pte(d, "loss").unlink()
+    _pte(d, "loss_finish").unlink()
 
 
 BAD_ARTIFACTS = {
@@ -363,7 +365,7 @@ BAD_ARTIFACTS = {
         _refused_pte,
         ["sgd.pte", "ExecuTorch refused the program", "InvalidProgram"],
     ),
-    "missing pte": (_missing_pte, ["loss.pte", "missing"]),
+    "missing pte": (_missing_pte, ["loss_finish.pte", "missing"]),
     "export id differs": (_other_export_id, ["head.safetensors", "made by export 000", "mixed"]),
     "missing block file": (_missing_block, ["block_", "missing"]),
     "tensor not in table": (_tensor_mismatch, ["block_000", "run_config.json says"]),

@@ -94,7 +94,7 @@ def test_every_program_is_delegated_and_recorded(et_cases) -> None:  # type: ign
     conf = json.loads((case.dir / "run_config.json").read_text())
     progs = conf["executorch"]["programs"]
     gids = {b["fn"] for b in conf["blocks"]}
-    want = {"embed", "loss", "sgd", "adamw"} | {
+    want = {"embed", "loss_start", "loss_slice", "loss_finish", "sgd", "adamw"} | {
         f"{g}.{k}" for g in gids for k in ("forward", "backward")
     }
     assert set(progs) == want
@@ -106,6 +106,7 @@ def test_every_program_is_delegated_and_recorded(et_cases) -> None:  # type: ign
         assert progs[f"{g}.forward"]["delegate_calls"] > 0
         names = [r["name"] for r in progs[f"{g}.backward"]["inputs"]]
         assert names[-2:] == ["x", "dy"] and any(n.startswith("weights/") for n in names)
+    assert progs["loss_slice"]["delegate_calls"] > 0  # the head's two matmuls on XNNPACK
     assert not list(case.dir.rglob("*.pt2"))  # an ExecuTorch export carries no torch programs
 
 
@@ -243,7 +244,7 @@ def test_bad_artifacts_one_line_exit_2(et_cases, tmp_path: Path, capsys) -> None
         return [str(d), "--data", str(data), "--steps", "2", "--out", str(out)]
 
     d = copy("truncated")
-    p = d / "pte/loss.pte"
+    p = d / "pte/loss_slice.pte"
     p.write_bytes(p.read_bytes()[:-100])
     _fails(argv(d), capsys, "truncated", out)
 

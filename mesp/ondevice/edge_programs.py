@@ -75,43 +75,78 @@ def gather(w: Tensors, ws: WeightSpec, ids: Tensor) -> Tensor:
     return dequantizer(ws)(sel[0], sel[1], sel[2], ws.quant, None)
 
 
-def _sliced_head(
-    es: EdgeSpec, w: Tensors, hs: Tensor, tgt: Tensor, norm: Tensor
-) -> tuple[Tensor, Tensor]:
-    """cross_entropy._sliced_head for one row chunk holding every trained row, op for op: one
-    pass over vocabulary slices with an online logsumexp that also accumulates the softmax-
-    weighted head rows, then dh = (acc/s - c_t·W_t) / norm. Row losses are returned unsummed."""
+HEAD_KEYS = ("weight", "scales", "biases")
+
+
+def head_slice(w: Tensors, ws: WeightSpec, v0: int, v1: int) -> Tensors:
+    """The stored rows v0:v1 of the head (views), keyed as the slice program reads them."""
+    keys = HEAD_KEYS if ws.quant is not None else ("weight",)
+    return {k: w[f"{ws.prefix}.{k}"][v0:v1] for k in keys}
+
+
+def loss_start(es: EdgeSpec, w: Tensors, h: Tensor, ids: Tensor) -> Tensors:
+    """h (B, S, hidden), ids (n,) trained rows -> hs (n, hidden), the final norm's output at
+    those rows, and the online-logsumexp state before the first vocabulary slice: running max
+    m, sum s, target logit tz (n,) each, cap'(z_t) ctg (softcap only) and acc (n, hidden), the
+    softmax-weighted head rows."""
+    hn = rms_norm(h, w["norm.weight"], es.eps, es.norm_offset)
+    if es.logits_div is not None:  # RMSNorm's divisor, as the in-process final norm
+        hn = hn / es.logits_div
+    hs = hn.reshape(-1, hn.shape[-1]).index_select(0, ids)
     ct = torch.promote_types(hs.dtype, torch.float32)
-    assert es.vocab_chunk is not None
     m = torch.full((hs.shape[0],), -torch.inf, dtype=ct, device=hs.device)
-    s, tz = torch.zeros_like(m), torch.zeros_like(m)
-    ctg = torch.ones_like(m) if es.softcap else None  # cap'(z) at each row's target
-    acc = torch.zeros(hs.shape, dtype=ct, device=hs.device)
-    for v0 in range(0, es.vocab, es.vocab_chunk):
-        v1 = min(v0 + es.vocab_chunk, es.vocab)
-        ws = rows(w, es.head, v0, v1, hs.dtype).to(hs.dtype)
-        local = torch.where((tgt >= v0) & (tgt < v1), tgt - v0, -1)
-        z, t = _logits(hs, ws, es.softcap, ct)
-        hit, col = local >= 0, local.clamp(min=0)[:, None]
-        tz = torch.where(hit, z.gather(1, col).squeeze(1), tz)  # before z changes
-        m_new = torch.maximum(m, z.amax(-1))
-        scale = (m - m_new).exp_()
-        e = z.sub_(m_new[:, None]).exp_()
-        s.mul_(scale).add_(e.sum(-1))
-        if ctg is not None:  # cap'(z) = 1 - tanh²
-            c = t.square_().neg_().add_(1.0)
-            ctg = torch.where(hit, c.gather(1, col).squeeze(1), ctg)
-            e.mul_(c)
-        acc.mul_(scale[:, None]).add_(e.to(ws.dtype) @ ws)
-        m.copy_(m_new)
-    lse = m + s.log()
-    loss = lse - tz
+    st = {"hs": hs, "m": m, "s": torch.zeros_like(m), "tz": torch.zeros_like(m)}
+    if es.softcap:
+        st["ctg"] = torch.ones_like(m)
+    st["acc"] = torch.zeros(hs.shape, dtype=ct, device=hs.device)
+    return st
+
+
+def loss_slice(es: EdgeSpec, head: Tensors, st: Tensors, tgt: Tensor, v0: Tensor | int) -> Tensors:
+    """One vocabulary slice of cross_entropy._sliced_head, op for op: `head` holds the slice's
+    stored rows (width = its row count), starting at vocabulary id v0; st is loss_start's state
+    (hs is read, the rest updated). Returns the new state (hs excluded)."""
+    hs = st["hs"]
+    ct = torch.promote_types(hs.dtype, torch.float32)
+    width = head["weight"].shape[0]
+    p = es.head.prefix
+    ws = rows({f"{p}.{k}": t for k, t in head.items()}, es.head, 0, width, hs.dtype).to(hs.dtype)
+    local = tgt - v0
+    hit = (local >= 0) & (local < width)
+    col = torch.where(hit, local, 0)[:, None]
+    z, t = _logits(hs, ws, es.softcap, ct)
+    tz = torch.where(hit, z.gather(1, col).squeeze(1), st["tz"])  # before z changes
+    m = st["m"]
+    m_new = torch.maximum(m, z.amax(-1))
+    scale = (m - m_new).exp()
+    e = z.sub(m_new[:, None]).exp()
+    out = {"m": m_new, "s": st["s"].mul(scale).add(e.sum(-1)), "tz": tz}
+    if es.softcap:  # cap'(z) = 1 - tanh²
+        c = t.square().neg().add(1.0)
+        out["ctg"] = torch.where(hit, c.gather(1, col).squeeze(1), st["ctg"])
+        e = e.mul(c)
+    out["acc"] = st["acc"].mul(scale[:, None]).add(e.to(ws.dtype) @ ws)
+    return out
+
+
+def loss_finish(
+    es: EdgeSpec, w: Tensors, h: Tensor, ids: Tensor, tgt: Tensor, st: Tensors, norm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """After the last slice: per-row losses lse - z_t (n,) and dh = d(loss_sum / norm)/dh
+    (B, S, hidden): (acc/s - cap'(z_t)·W_t) / norm scattered to the trained rows, through the
+    final norm's backward. W_t are the target rows, gathered from the whole (mapped) head."""
+    ct = torch.promote_types(h.dtype, torch.float32)
+    lse = st["m"] + st["s"].log()
+    loss = lse - st["tz"]
     wt = gather(w, es.head, tgt).to(ct)
-    if ctg is not None:
-        wt.mul_(ctg[:, None])
-    acc.div_(s[:, None]).sub_(wt)
-    acc.div_(norm)
-    return loss, acc.to(hs.dtype)
+    if es.softcap:
+        wt = wt * st["ctg"][:, None]
+    dhs = (st["acc"] / st["s"][:, None] - wt) / norm
+    h2 = h.reshape(-1, h.shape[-1])
+    dhn = torch.zeros_like(h2).index_copy(0, ids, dhs.to(h.dtype)).view(h.shape)
+    if es.logits_div is not None:  # mesp_block.norm_bwd's dy ÷ divisor
+        dhn = dhn / es.logits_div
+    return loss, rms_norm_backward(dhn, h, w["norm.weight"], es.eps, es.norm_offset)
 
 
 def loss_and_grad(
@@ -120,16 +155,20 @@ def loss_and_grad(
     """Final norm + head + CE. h (B, S, hidden) last block output; ids (n,) flat indices of the
     trained rows, tgt (n,) their targets; norm: the loss normalizer (0-d, h.dtype).
     -> (per-row losses (n,) in fp32, d(loss_sum / norm)/dh (B, S, hidden)). The caller sums
-    the rows in fp64, as cross_entropy does (a graph for edge runtimes carries no fp64 op)."""
+    the rows in fp64, as cross_entropy does (a graph for edge runtimes carries no fp64 op).
+    With vocab_chunk: loss_start, loss_slice per slice, loss_finish, the ExecuTorch drivers'
+    loop in one graph."""
+    if es.vocab_chunk is not None:
+        st = loss_start(es, w, h, ids)
+        for v0 in range(0, es.vocab, es.vocab_chunk):
+            v1 = min(v0 + es.vocab_chunk, es.vocab)
+            st.update(loss_slice(es, head_slice(w, es.head, v0, v1), st, tgt, v0))
+        return loss_finish(es, w, h, ids, tgt, st, norm)
     hn = rms_norm(h, w["norm.weight"], es.eps, es.norm_offset)
     if es.logits_div is not None:  # RMSNorm's divisor, as the in-process final norm
         hn = hn / es.logits_div
     h2 = hn.reshape(-1, hn.shape[-1])
-    hs = h2.index_select(0, ids)
-    if es.vocab_chunk is None:
-        loss, dhs = _whole_head(es, w, hs, tgt, norm)
-    else:
-        loss, dhs = _sliced_head(es, w, hs, tgt, norm)
+    loss, dhs = _whole_head(es, w, h2.index_select(0, ids), tgt, norm)
     dhn = torch.zeros_like(h2).index_copy_(0, ids, dhs).view(h.shape)
     if es.logits_div is not None:  # mesp_block.norm_bwd's dy ÷ divisor
         dhn = dhn / es.logits_div

@@ -5,7 +5,8 @@ The reference for the native runner (runtime/): the same .pte files, the same in
 update through the exported sgd / adamw programs, so that the two drivers differ only in who calls
 ExecuTorch. One step:
   embed -> for each block: read its weights file, forward, drop the weights (keep the input)
-  -> loss program (trained rows only) -> for each block in reverse: read, recompute + hand
+  -> the loss programs (trained rows only; start, one call per vocabulary slice, finish)
+  -> for each block in reverse: read, recompute + hand
   backward in one program, drop -> the update program on every adapter tensor.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mesp.ondevice.export_et import VERSION as ET_VERSION
 from mesp.ondevice.lower import fnv1a64
 from mesp.ondevice.runner import (
     PEFT_PREFIX,
@@ -47,6 +49,11 @@ class Programs:
         if not isinstance(et, dict):
             raise RunnerError(
                 f"{art.root}: no ExecuTorch programs (export with --target executorch)"
+            )
+        if et.get("version") != ET_VERSION:
+            raise RunnerError(
+                f"{art.root}: ExecuTorch programs of format {et.get('version')}, this mesp runs "
+                f"{ET_VERSION}: export again with this mesp"
             )
         self.rows: dict[str, Any] = et["programs"]
         rt = Runtime.get()
@@ -81,6 +88,7 @@ class EtTrainer:
     def __init__(self, art: Artifacts, cfg: RunConfig) -> None:
         self.art, self.cfg, conf = art, cfg, art.conf
         self.progs = Programs(art)
+        self.loss_spec: dict[str, Any] = conf["executorch"]["loss"]
         init = art._read(conf["lora"]["init"])
         self.blocks = conf["blocks"]
         self.lora: list[Tensors] = []
@@ -126,9 +134,7 @@ class EtTrainer:
             with art.block(i) as w:
                 h = run(f"{b['fn']}.forward", self._src(w, i, {"x": h}))["y"]
         rows = mask.reshape(-1).nonzero().squeeze(1)
-        extra = {"h": h, "rows": rows, "tgt": tgt.reshape(-1).index_select(0, rows)}
-        extra["norm"] = torch.tensor(float(n))
-        out = run("loss", self._src({**art.embed_w, **art.head_w}, None, extra))
+        out = self.loss(h, rows, tgt.reshape(-1).index_select(0, rows), torch.tensor(float(n)))
         loss_sum, g = float(out["loss"].sum(dtype=torch.float64)), out["dh"]
         for i in range(len(self.blocks) - 1, -1, -1):
             b = self.blocks[i]
@@ -137,6 +143,24 @@ class EtTrainer:
             g = out.pop("dx")
             self.grads[i] = {k[5:]: t for k, t in out.items()}
         return loss_sum / n
+
+    def loss(
+        self, h: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor, norm: torch.Tensor
+    ) -> Tensors:
+        """loss_start, loss_slice over the vocabulary (loss_tail for a shorter last slice, the
+        state fed back by name), loss_finish: per-row losses and dh."""
+        art, run, spec = self.art, self.progs.run, self.loss_spec
+        w = {**art.embed_w, **art.head_w}
+        extra = {"h": h, "rows": rows, "tgt": tgt, "norm": norm}
+        st = run("loss_start", self._src(w, None, extra))
+        vocab, chunk, p = spec["vocab"], spec["chunk"], spec["head_prefix"]
+        for v0 in range(0, vocab, chunk):
+            v1 = min(v0 + chunk, vocab)
+            head = {f"head/{k}": t[v0:v1] for k, t in w.items() if k.startswith(p + ".")}
+            head = {k.replace(f"head/{p}.", "head/"): t for k, t in head.items()}
+            ins = {**extra, **st, **head, "v0": torch.tensor(v0)}
+            st.update(run("loss_slice" if v1 - v0 == chunk else "loss_tail", ins.__getitem__))
+        return run("loss_finish", self._src(w, None, {**extra, **st}))
 
     @torch.no_grad()
     def update(self) -> None:

@@ -4,7 +4,10 @@ Programs (mesp.ondevice.steps, lowered by mesp.ondevice.lower), one set per bloc
   embed            weights/*, ids -> h
   <gid>.forward    weights/*, lora/*, ctx/*, x -> y                 (nothing saved)
   <gid>.backward   weights/*, lora/*, ctx/*, x, dy -> dx, grad/*    (recompute + hand backward)
-  loss             weights/*, h, rows, tgt, norm -> loss, dh        (trained rows only, dynamic)
+  loss_start       weights/norm.weight, h, rows -> hs, m, s, tz, [ctg], acc   (trained rows)
+  loss_slice       head/* (one vocabulary slice), v0, tgt, hs, state -> state (per slice)
+  loss_tail        the same for the last, shorter slice (when the chunk does not divide V)
+  loss_finish      weights/*, h, rows, tgt, state, norm -> loss, dh
   sgd, adamw       one flattened LoRA tensor (dynamic length) and its state -> updated
 Frozen weights never enter a program: they are inputs, read by the runner from the per-block
 safetensors files that `mesp export` writes, just before the block runs. run_config.json's
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
-from mesp.ondevice.edge_programs import EdgeSpec
+from mesp.ondevice.edge_programs import EdgeSpec, head_slice
 from mesp.ondevice.lower import fnv1a64, io_rows, lower
 from mesp.ondevice.programs import BlockSpec, block_parts, example_hidden
 from mesp.ondevice.steps import (
@@ -33,12 +36,14 @@ from mesp.ondevice.steps import (
     backward_step,
     embed_step,
     forward_step,
-    loss_step,
+    loss_finish_step,
+    loss_slice_step,
+    loss_start_step,
     sgd_step,
 )
 from mesp.quant import packed_bytes
 
-VERSION = 1
+VERSION = 2  # 2: the loss as start / slice (/ tail) / finish programs
 
 
 def edge_weights(w: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -95,6 +100,49 @@ class _Programs:
         }
 
 
+def _loss_programs(
+    progs: _Programs, es: EdgeSpec, w: dict[str, Tensor], h: Tensor, max_rows: int
+) -> dict[str, Any]:
+    """The loss as a loop the drivers run: loss_start (final norm, trained rows, the state),
+    loss_slice once per vocabulary slice of `chunk` rows (loss_tail for the last, shorter one),
+    loss_finish (loss, dh, final-norm backward). Only the slice program sees head rows, so the
+    planned memory is one slice's whatever the vocabulary; it is XNNPACK-delegated (its two
+    matmuls are the loss's work), start and finish run on portable kernels (row-sized).
+    Returns run_config's "executorch.loss" section."""
+    vocab = es.vocab
+    chunk = es.vocab_chunk or vocab
+    n = min(max_rows, 3)
+    rows_t, tgt = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    dim = ("rows", max_rows)
+    norm_w = {"weights/norm.weight": w["norm.weight"]}
+    start = loss_start_step(es)({**norm_w, "h": h, "rows": rows_t})
+    state = [k for k in start if k != "hs"]
+    progs.add(
+        "loss_start", loss_start_step(es), {**norm_w, "h": h, "rows": rows_t},
+        list(start), {"rows": dim}, dict.fromkeys(start, dim), False,
+    )  # fmt: skip
+    slices = {"loss_slice": chunk}
+    if vocab % chunk:
+        slices["loss_tail"] = vocab % chunk
+    for name, width in slices.items():
+        head = {f"head/{k}": t for k, t in head_slice(w, es.head, 0, width).items()}
+        ins = {**head, "v0": torch.tensor(0), "tgt": tgt, **start}
+        progs.add(
+            name, loss_slice_step(es), ins, state,
+            {k: dim for k in ("tgt", *start)}, dict.fromkeys(state, dim),
+        )  # fmt: skip
+    keys = [f"{es.head.prefix}.{k}" for k in head_slice(w, es.head, 0, 1)]
+    fin = {**norm_w, **{f"weights/{k}": w[k] for k in keys}, "h": h, "rows": rows_t, "tgt": tgt}
+    fin.update({k: start[k] for k in state})
+    fin["norm"] = torch.tensor(float(n))
+    progs.add(
+        "loss_finish", loss_finish_step(es), fin, ["loss", "dh"],
+        {k: dim for k in ("rows", "tgt", *state)}, {"loss": dim}, False,
+    )  # fmt: skip
+    file = "head.safetensors" if es.head.prefix == "lm_head" else "embedding.safetensors"
+    return {"vocab": vocab, "chunk": chunk, "head_file": file, "head_prefix": es.head.prefix}
+
+
 def export_executorch(
     model: CausalLM,
     groups: dict[Any, tuple[str, int]],
@@ -140,22 +188,7 @@ def export_executorch(
         ["h"],
     )
     loss_w = head_w if es.head.prefix == "lm_head" else {**head_w, **embed_w}  # tied: the embedding
-    n = min(B * S, 3)
-    rows_d = {"rows": ("rows", B * S), "tgt": ("rows", B * S)}
-    loss_in = {
-        **{f"weights/{k}": v for k, v in loss_w.items()},
-        "h": x,
-        "rows": torch.arange(n),
-        "tgt": torch.zeros(n, dtype=torch.long),
-        "norm": torch.tensor(float(n)),
-    }
-    # The loss runs on ExecuTorch's own kernels: delegated, its plan keeps every vocabulary
-    # slice's dequantized rows and logits alive at once (819.6 MiB at Qwen2.5-0.5B's 151,936
-    # tokens, chunk 8192, whether XNNPACK groups the ops or takes each matmul alone), where the
-    # undelegated program reuses one slice's memory (38.6 MiB at chunk 4096).
-    progs.add(
-        "loss", loss_step(ees), loss_in, ["loss", "dh"], rows_d, {"loss": ("rows", B * S)}, False
-    )
+    loss = _loss_programs(progs, ees, loss_w, x, B * S)
     m = min(max_lora, 5)
     vec = {k: torch.randn(m, generator=g) for k in ("p", "g", "m")}
     vec["v"] = torch.rand(m, generator=g)
@@ -172,6 +205,7 @@ def export_executorch(
         "version": VERSION,
         "backend": "xnnpack" if delegate else "portable",
         "attn_tile": attn_tile,
+        "loss": loss,
         "programs": progs.rows,
         "planned_bytes_max": max(sum(r["planned_bytes"]) for r in progs.rows.values()),
     }

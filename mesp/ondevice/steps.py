@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from mesp.ondevice.edge_programs import EdgeSpec, embed
+from mesp.ondevice.edge_programs import EdgeSpec, embed, loss_finish, loss_slice, loss_start
 from mesp.ondevice.edge_programs import loss_and_grad as _loss_and_grad
 from mesp.ondevice.programs import BlockSpec, block_backward, block_forward
 
@@ -89,6 +89,35 @@ def loss_step(es: EdgeSpec) -> Callable[[Named], Named]:
     return run
 
 
+def loss_start_step(es: EdgeSpec) -> Callable[[Named], Named]:
+    """(h, rows) -> hs and the online-logsumexp state (m, s, tz, [ctg], acc)."""
+
+    def run(d: Named) -> Named:
+        return loss_start(es, _group(d, "weights/"), d["h"], d["rows"])
+
+    return run
+
+
+def loss_slice_step(es: EdgeSpec) -> Callable[[Named], Named]:
+    """(head/<key> rows of one slice, v0, tgt, hs, state) -> state: one vocabulary slice; the
+    drivers call it once per slice with the state it returned last."""
+
+    def run(d: Named) -> Named:
+        return loss_slice(es, _group(d, "head/"), d, d["tgt"], d["v0"])
+
+    return run
+
+
+def loss_finish_step(es: EdgeSpec) -> Callable[[Named], Named]:
+    """(h, rows, tgt, state, norm) -> per-row losses and dh."""
+
+    def run(d: Named) -> Named:
+        loss, dh = loss_finish(es, _group(d, "weights/"), d["h"], d["rows"], d["tgt"], d, d["norm"])
+        return {"loss": loss, "dh": dh}
+
+    return run
+
+
 def sgd_step(d: Named) -> Named:
     p = d["p"]
     return {"p": p + torch.neg(d["lr"]) * (d["g"] + d["weight_decay"] * p)}
@@ -139,6 +168,9 @@ __all__ = [
     "backward_step",
     "embed_step",
     "forward_step",
+    "loss_finish_step",
+    "loss_slice_step",
+    "loss_start_step",
     "loss_step",
     "sgd_step",
 ]

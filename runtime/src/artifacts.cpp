@@ -176,8 +176,9 @@ Artifacts load_artifacts(const std::string& root) {
   const Json* et = c.find("executorch");
   if (et == nullptr || !et->is_object())
     throw RunnerError(cp + ": has no \"executorch\" section (export with --target executorch)");
-  if (k.integer(*et, "version", "executorch") != 1)
-    throw RunnerError(cp + ": executorch section version is not 1 (a newer exporter?)");
+  if (k.integer(*et, "version", "executorch") != 2)
+    throw RunnerError(cp + ": executorch programs of another format than 2: export again with "
+                      "the mesp this runner was built with");
 
   a.export_id = k.str(c, "export_id", "");
   a.seq_len = k.integer(c, "seq_len", "");
@@ -244,7 +245,16 @@ Artifacts load_artifacts(const std::string& root) {
           io_spec(k, outs.items()[i], w + "[\"outputs\"][" + std::to_string(i) + "]"));
     a.programs[name] = std::move(s);
   }
-  std::set<std::string> need = {"embed", "loss", "sgd", "adamw"};
+  const Json& loss = k.object(*et, "loss", "executorch");
+  a.loss_chunk = k.integer(loss, "chunk", "executorch.loss");
+  a.head_file = k.str(loss, "head_file", "executorch.loss");
+  a.head_prefix = k.str(loss, "head_prefix", "executorch.loss");
+  if (a.loss_chunk < 1 || a.loss_chunk > a.vocab || k.integer(loss, "vocab", "executorch.loss") != a.vocab)
+    k.bad("executorch.loss", "chunk or vocab disagrees with model.vocab_size");
+  if (a.head_file != "head.safetensors" && a.head_file != "embedding.safetensors")
+    k.bad("executorch.loss.head_file", "is neither head.safetensors nor embedding.safetensors");
+  std::set<std::string> need = {"embed", "loss_start", "loss_slice", "loss_finish", "sgd", "adamw"};
+  if (a.vocab % a.loss_chunk != 0) need.insert("loss_tail");
   for (const auto& b : a.blocks) {
     need.insert(b.fn + ".forward");
     need.insert(b.fn + ".backward");

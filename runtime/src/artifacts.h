@@ -52,6 +52,10 @@ struct Artifacts {
   std::vector<BlockInfo> blocks;
   std::map<std::string, ProgramSpec> programs;
   std::string lora_init;  // relative path of the initial adapter
+  // executorch.loss: the head in slices of loss_chunk rows (loss_tail for a shorter last one),
+  // read from head_file's tensors "<head_prefix>.weight|scales|biases"
+  int64_t loss_chunk = 0;
+  std::string head_file, head_prefix;
 
   std::string path(const std::string& rel) const { return root + "/" + rel; }
   const ProgramSpec& program(const std::string& name) const;

@@ -72,11 +72,7 @@ Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::m
     for (const Lora& l : lora_[i])
       need_out(fn + ".backward", "grad/" + l.key, l.p.dtype, l.p.shape);
   }
-  check("loss", -1, {{"h", a}, {"rows", n_rows}, {"tgt", n_rows}, {"norm", scalar}});
-  need_out("loss", "dh", act, act_shape);
-  const IoSpec* loss = art.program("loss").output("loss");
-  if (loss == nullptr || loss->dtype != DType::F32 || loss->shape.size() != 1)
-    throw RunnerError(art.path(art.program("loss").pte) + ": output loss must be F32 (n,)");
+  check_loss(a);
   const TensorRef flat = ref(DType::F32, {max_lora_numel_});
   const std::string& o = opt_.optimizer;
   if (o == "sgd") {
@@ -121,7 +117,7 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
   std::vector<TensorRef> out;
   for (const IoSpec& in : spec.inputs) {
     TensorRef r;
-    std::string rest;
+    std::string rest, key2;
     auto it = named.find(in.name);
     if (it != named.end()) {
       r = it->second;
@@ -135,7 +131,7 @@ std::vector<TensorRef> Trainer::bind(const std::string& prog, int block,
       } else if (prog == "embed") {
         rel = "embedding.safetensors";
         file = &embed_;
-      } else if (prog == "loss") {
+      } else if (starts(prog, "loss_", &key2)) {
         bool in_head = art_.files.at("head.safetensors").count(rest) > 0;
         rel = in_head ? "head.safetensors" : "embedding.safetensors";
         file = in_head ? &head_ : &embed_;
@@ -274,16 +270,8 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
     copy_out(output(outs, prog, "y"), i + 1 < L ? checkpoints_[i + 1] : h_, prog + ": y");
   }
 
-  // Loss: per-row losses (summed in double, as the engine does) and dL/dh.
-  TensorRef rows = ref(rows_), tgt = ref(tgt_);
-  rows.shape = tgt.shape = {n};
-  outs = run("loss", -1, {{"h", ref(h_)}, {"rows", rows}, {"tgt", tgt}, {"norm", ref(norm_)}});
-  const TensorRef& lr = output(outs, "loss", "loss");
-  if (lr.shape != Shape{n}) throw RunnerError("loss: came back as " + shape_str(lr.shape));
-  double sum = 0;
-  for (int64_t r = 0; r < n; ++r) sum += static_cast<const float*>(lr.data)[r];
-  const double loss = sum / static_cast<double>(n);
-  copy_out(output(outs, "loss", "dh"), g_, "loss: dh");
+  // Loss: per-row losses (summed in double, as the engine does) and dL/dh into g_.
+  const double loss = run_loss(n) / static_cast<double>(n);
 
   // Backward, last block first: dy in g_, dx back into g_, the LoRA gradients kept.
   for (size_t i = L; i-- > 0;) {

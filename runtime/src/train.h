@@ -1,6 +1,7 @@
 // The training step of mesp/ondevice/runner.py (Trainer.step, train), on ExecuTorch programs:
 //   embed -> per block: keep its input, map its weights, forward, unmap
-//   -> loss (per-row losses and the gradient of the last hidden state)
+//   -> loss: start, one program call per vocabulary slice, finish (per-row losses and the
+//      gradient of the last hidden state; train_loss.cpp)
 //   -> per block in reverse: map its weights, backward (dx and the LoRA gradients), unmap
 //   -> sgd / adamw program on every LoRA tensor.
 #pragma once
@@ -59,6 +60,12 @@ class Trainer {
                           const std::string& name) const;
   void optimizer_step();
   void sample_memory();
+  // The loss (train_loss.cpp): the up-front checks of its programs, and one run of the loop
+  // loss_start -> loss_slice per vocabulary slice (loss_tail: a shorter last) -> loss_finish on
+  // the n trained rows in rows_/tgt_; dh goes to g_, the per-row losses' sum (double) returned.
+  void check_loss(const TensorRef& act);
+  double run_loss(int64_t n);
+  TensorRef rows_of(HostTensor& t, int64_t n) const;  // t with dim 0 cut to n
 
   const Artifacts& art_;
   OptimConfig opt_;
@@ -69,6 +76,9 @@ class Trainer {
   std::vector<HostTensor> checkpoints_;  // block inputs x_i
   HostTensor ids_, rows_, tgt_, norm_, h_, g_;
   HostTensor scalars_[8];        // 0-d f32 optimizer inputs
+  std::vector<std::string> state_names_;  // loss_start's outputs: hs, then the running state
+  std::vector<HostTensor> state_;         // their buffers, B*S rows (n used)
+  HostTensor v0_;                         // 0-d i64: the slice's first vocabulary id
   std::vector<Buffer> scratch_;  // aligned copies of misaligned mapped tensors, for one run
   int64_t opt_steps_ = 0;
   int64_t max_lora_numel_ = 0;
