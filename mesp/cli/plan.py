@@ -22,7 +22,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     s.add_argument("--seq-len", type=int, default=256, help="positions per row")
     s.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    s.add_argument("--batch-size", type=int, default=1, help="rows per micro-batch")
+    s.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="rows per micro-batch; with --objective dpo|orpo, pairs (two rows each), as in "
+        "mesp train",
+    )
+    s.add_argument(
+        "--objective",
+        default="sft",
+        choices=("sft", "dpo", "orpo"),
+        help="the loss trained: a preference step holds two rows per pair, its token weights "
+        "and log-prob buffers, and runs its log-prob passes without a tape (mezo cannot)",
+    )
     s.add_argument(
         "--quantize",
         default="auto",
@@ -93,12 +106,13 @@ def run_plan(ns: argparse.Namespace) -> int:
     opts = ModelOptions(model=ns.model, quantize=ns.quantize, dtype=ns.dtype)
     run = Run(
         ns.seq_len,
-        ns.batch_size,
+        ns.batch_size * (1 if ns.objective == "sft" else 2),  # a pair is two rows
         ns.rank,
         quant=quant,
         dtype=DTYPES[ns.dtype],
         optimizer=ns.optimizer,
         weights=stored_weight_bytes(opts, cfg),  # a GGUF's codes as stored: their exact bytes
+        objective=ns.objective,
     )
     result = plan(budget, cfg, name, run)
     print(json.dumps(result) if ns.json else format_plan(result))

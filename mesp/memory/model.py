@@ -48,6 +48,10 @@ Peak = the largest of these moments, each the state then live plus its working s
 checkpoints, logits (the loss head's term above, when the peak is the cross-entropy moment) and
 working (everything else: activations, temporaries, RoPE tables); they sum to `total`.
 
+A preference objective (dpo, orpo; B rows = B/2 pairs) adds no tape: SFT's moments on the same
+rows plus the (B, S) fp32 token weights T·4 (twice at mesp's CE, which gathers them), (B,)
+log-prob buffers, and its no-tape log-prob passes as moments of their own (`preference_extra`).
+
 `analytic_floor` is what any exact block-wise gradient must hold beside the weights: LoRA
 parameters and gradients + checkpoints + the largest single-block working set + one CE chunk.
 The dimensions live in sizes.py (`Sizes`), the working set of each moment in moments.py.
@@ -107,20 +111,27 @@ def predict(
     optimizer: str = "adamw",
     keep_tapes: int = 0,
     weights: int | None = None,
+    objective: str = "sft",
 ) -> dict[str, int | str]:
     """Bytes of each part of one training step and its peak (`total`): the largest of the
     moments in `phase:*`, each the state live then plus that moment's working set.
+    `objective` dpo | orpo: `batch` rows hold batch/2 pairs (see `preference_extra`).
     `keep_tapes`: mesp keeps the tapes of its last this many blocks (budget-aware recompute).
     `weights`: the frozen weights' bytes where the file fixes them (a GGUF's codes as stored:
     mesp.loading.info.stored_weight_bytes), else they follow from `quant`."""
     s = sizes(cfg, seq_len, batch, rank, targets, quant, dtype)
     if weights is None:
         weights = resident_weight_bytes(cfg, quant, dtype)
-    return predict_sizes(s, weights, engine, optimizer, keep_tapes)
+    return predict_sizes(s, weights, engine, optimizer, keep_tapes, objective)
 
 
 def predict_sizes(
-    s: Sizes, weights: int, engine: str, optimizer: str, keep_tapes: int = 0
+    s: Sizes,
+    weights: int,
+    engine: str,
+    optimizer: str,
+    keep_tapes: int = 0,
+    objective: str = "sft",
 ) -> dict[str, int | str]:
     if engine not in ENGINES:
         raise MespError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
@@ -128,6 +139,8 @@ def predict_sizes(
         raise MespError(f"keeping tapes is mesp's (budget-aware recompute), not {engine}'s")
     if optimizer not in ("adamw", "sgd"):
         raise MespError(f"unknown optimizer {optimizer!r}; choose from adamw, sgd")
+    if objective not in ("sft", "dpo", "orpo"):
+        raise MespError(f"unknown objective {objective!r}; choose from sft, dpo, orpo")
     T, D, e, L = s.T, s.D, s.e, s.L
     adapter = adapter_bytes(s)
     zo = engine == "mezo"
@@ -176,6 +189,8 @@ def predict_sizes(
         saved += T * D * s.f + T * 4  # the final norm's input and 1/rms
         phases["cross-entropy"] = state + saved + ce
         phases["block backward"] = state + g1 + saved + T * D * e + autograd_block_backward_extra(s)
+    if objective != "sft":
+        preference_extra(s, engine, objective, state, phases)
     if not zo:  # all gradients, the state and one tensor's update temporaries
         phases["optimizer"] = state + grads + (adapter // L if opt else 0)
     peak = max(phases, key=lambda k: phases[k])
@@ -183,6 +198,7 @@ def predict_sizes(
     logits = head.get(peak, 0)
     return {
         "engine": engine,
+        "objective": objective,
         "weights": weights,
         "adapter": adapter,
         "grads": grads,  # all of them, as after the backward
@@ -200,6 +216,30 @@ def predict_sizes(
         "peak_at": peak,
         **{f"phase:{k}": v for k, v in phases.items()},
     }
+
+
+def preference_extra(s: Sizes, engine: str, objective: str, state: int, phases: dict) -> None:
+    """What a DPO / ORPO step (mesp.engines.objective.PreferenceEngine) adds to SFT's step on
+    the same B rows (B/2 pairs), in place on `phases`. Its log-prob passes run without a tape:
+    DPO's reference (adapters off) and the policy's, each a no-grad forward holding one block's
+    working set and then a chunked CE without gradient, the (B,) fp64 counts and log-probs
+    (3·B·8: counts, policy, reference or dL/dlp) beside them. Then SFT's step runs with the
+    (B, S) fp32 token weights T·4 live throughout; the chunked CE (mesp) also gathers them for
+    its trained rows, T·4 more at the cross-entropy moment. The optimizer runs after."""
+    if engine == "mezo":
+        raise MespError(f"--objective {objective} needs a gradient engine (bp, mebp, mesp)")
+    if s.B % 2:
+        raise MespError("a preference batch holds (chosen, rejected) pairs: an even row count")
+    T, D, e = s.T, s.D, s.e
+    lps, tok_w = 3 * s.B * 8, T * 4
+    for k in phases:
+        phases[k] += tok_w + lps
+    if engine == "mesp":
+        phases["cross-entropy"] += tok_w
+    phases["log-prob forward"] = state + T * D * e + block_forward_peak(s, tape=False) + lps
+    # the RoPE tables belong to model.hidden and are gone before the loss
+    ce = chunked_ce_peak(s, grad=False)
+    phases["log-prob cross-entropy"] = state - s.tables + T * D * e + ce + lps
 
 
 def analytic_floor(

@@ -99,6 +99,7 @@ class Run:
     dtype: torch.dtype = torch.float32
     optimizer: str = "adamw"
     weights: int | None = None  # frozen weight bytes a file fixes (see memory.model.predict)
+    objective: str = "sft"  # dpo | orpo: `batch` rows are batch/2 (chosen, rejected) pairs
 
     def resident(self, cfg: ModelConfig) -> int:
         if self.weights is not None:
@@ -121,6 +122,7 @@ class Run:
             self.optimizer,
             keep_tapes,
             self.weights,
+            self.objective,
         )
 
 
@@ -137,7 +139,7 @@ def kept_tapes(budget_bytes: int, cfg: ModelConfig, run: Run = Run()) -> int:
     weights = run.resident(cfg)
 
     def fits(k: int) -> bool:
-        total = predict_sizes(s, weights, "mesp", run.optimizer, k)["total"]
+        total = predict_sizes(s, weights, "mesp", run.optimizer, k, run.objective)["total"]
         return int(total) <= TAPE_FILL * budget_bytes
 
     k = s.L
@@ -176,7 +178,8 @@ def longest_seq(
 
     def fits(n: int) -> bool:
         s = sizes(cfg, n, run.batch, run.rank, run.targets, run.quant, run.dtype)
-        return int(predict_sizes(s, weights, engine, run.optimizer)["total"]) <= budget_bytes
+        p = predict_sizes(s, weights, engine, run.optimizer, 0, run.objective)
+        return int(p["total"]) <= budget_bytes
 
     hi = max_len or cfg.max_position_embeddings
     if not fits(s0.S):
@@ -195,7 +198,8 @@ def plan(budget_bytes: int, cfg: ModelConfig, name: str, run: Run = Run()) -> di
     it fits, the longest sequence that fits, and the largest model of the family that fits."""
     ladder = FAMILY_SIZES.get(cfg.family, [])
     engines = {}
-    for eng in ENGINES:
+    # a preference objective needs a gradient: mezo does not train it (PreferenceEngine)
+    for eng in [e for e in ENGINES if run.objective == "sft" or e != "mezo"]:
         p = run.predict(cfg, eng)
         engines[eng] = {
             **p,
@@ -221,6 +225,7 @@ def plan(budget_bytes: int, cfg: ModelConfig, name: str, run: Run = Run()) -> di
         "family_sizes": ladder,
         "seq_len": run.seq_len,
         "batch": run.batch,
+        "objective": run.objective,
         "rank": run.rank,
         "targets": list(run.targets),
         "quant": "as stored"
@@ -232,12 +237,20 @@ def plan(budget_bytes: int, cfg: ModelConfig, name: str, run: Run = Run()) -> di
     }
 
 
+def _pairs(p: dict) -> str:
+    """' rows (N dpo pairs)' under a preference objective, else ''."""
+    o = p.get("objective", "sft")
+    n = p["batch"] // 2
+    return "" if o == "sft" else f" rows ({n} {o} pair{'' if n == 1 else 's'})"
+
+
 def format_plan(p: dict) -> str:
     """A readable table of `plan`'s result, in MiB."""
     mib = 2**20
     head = (
         f"budget {p['budget'] / mib:,.0f} MiB · {p['model']} · seq {p['seq_len']} × batch "
-        f"{p['batch']} · rank {p['rank']} · {p['quant']} base · {p['dtype']} · {p['optimizer']}"
+        f"{p['batch']}{_pairs(p)} · rank {p['rank']} · {p['quant']} base · {p['dtype']} · "
+        f"{p['optimizer']}"
     )
     cols = (
         "weights",

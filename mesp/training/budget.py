@@ -23,8 +23,10 @@ def check_budget(
     data: DataConfig,
     lora: LoraConfig,
     train: TrainConfig,
+    objective: str = "sft",
 ) -> int | None:
-    """The budget in bytes (None: no budget), or a one-line error naming what would fit."""
+    """The budget in bytes (None: no budget), or a one-line error naming what would fit.
+    `objective` dpo | orpo: train.batch_size already counts rows (two per pair)."""
     if not max_memory:
         return None
     budget = parse_bytes(max_memory)
@@ -37,7 +39,7 @@ def check_budget(
         return int(
             predict(
                 cfg, eng, seq, rows, rank, lora.targets, opts.quant, opts.torch_dtype,
-                train.optimizer, weights=weights,
+                train.optimizer, weights=weights, objective=objective,
             )["total"]
         )  # fmt: skip
 
@@ -46,7 +48,9 @@ def check_budget(
     if have <= budget:
         return budget
     hints = [
-        f"--engine {e}" for e in ("mesp", "mezo") if e != engine and need(e, seq, rank) <= budget
+        f"--engine {e}"
+        for e in ("mesp", "mezo")  # mezo trains no preference objective
+        if e != engine and (e == "mesp" or objective == "sft") and need(e, seq, rank) <= budget
     ]
     fits = [s for s in (2**k for k in range(4, 20)) if s < seq and need(engine, s, rank) <= budget]
     if fits:
@@ -68,6 +72,7 @@ def budget_tapes(
     data: DataConfig,
     lora: LoraConfig,
     train: TrainConfig,
+    objective: str = "sft",
 ) -> int:
     """Budget-aware recompute: how many of its last blocks mesp keeps the tape of under the
     budget `check_budget` returned (0 without a budget, or for another engine)."""
@@ -77,6 +82,6 @@ def budget_tapes(
     cfg = config_of(opts)
     run = Run(
         data.seq_len, rows, lora.rank, tuple(lora.targets), opts.quant, opts.torch_dtype,
-        train.optimizer, stored_weight_bytes(opts, cfg),
+        train.optimizer, stored_weight_bytes(opts, cfg), objective,
     )  # fmt: skip
     return kept_tapes(budget, cfg, run)

@@ -131,12 +131,13 @@ def run(job: TrainJob) -> int:
     # the planner sees a preference batch as what it trains: two rows per pair (its extra
     # no-tape forwards keep no activations past one block)
     rows = replace(job.train, batch_size=2 * job.train.batch_size) if pairs else job.train
+    obj = job.engine.objective if pairs else "sft"  # the planner adds its buffers and passes
     budget = check_budget(
-        job.run.max_memory, job.model, job.engine.engine, job.data, job.lora, rows
+        job.run.max_memory, job.model, job.engine.engine, job.data, job.lora, rows, obj
     )
     # budget-aware recompute: not in `kw`, whose items are the fingerprint, since kept tapes
     # give the same gradient bits and a resumed run may have another budget
-    tapes = budget_tapes(budget, job.model, job.engine.engine, job.data, job.lora, rows)
+    tapes = budget_tapes(budget, job.model, job.engine.engine, job.data, job.lora, rows, obj)
     seed, wd = job.train.seed, job.train.weight_decay
     engine = make_engine(
         job.engine.engine, **engine_kwargs(job.engine, job.model.quantize, seed, wd, tapes)
