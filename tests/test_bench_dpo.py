@@ -43,6 +43,8 @@ def test_dpo_bench_on_a_tiny_shape(tmp_path: Path, capsys: pytest.CaptureFixture
     assert v["mesp-dpo"]["weights_bytes"] == v["mesp-sft"]["weights_bytes"]
     assert dpo >= sft
     assert row["dpo_over_sft_peak"] == dpo / sft  # from the measured peaks
+    for x in ("mesp-sft", "mesp-dpo"):  # the memory model's peak for the same step, within 10%
+        assert abs(v[x]["planned_bytes"] / v[x]["peak_bytes"] - 1) <= 0.10, v[x]
     assert row["meets_target"] == (dpo / sft <= TARGET) and row["target"] == TARGET
     assert row["peft_dpo_over_mesp_dpo_peak"] == v["peft-gc-dpo"]["peak_bytes"] / dpo
     # HF's DPO holds full (B, S, V) logits of both passes' log-softmax: above its SFT step

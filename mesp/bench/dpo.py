@@ -115,6 +115,19 @@ def _peft(c: Any, dtype: torch.dtype, dpo: bool) -> Built:
     return step, frozen, lambda: adapter_tensors(params, opt)
 
 
+def _planned(shape: str, seq: int, rank: int, dtype: str, objective: str) -> int:
+    """The memory model's peak (mesp.memory.model) for mesp's step here: 2 rows, SGD, the
+    4-bit g64 base of table 1."""
+    from mesp.bench.variants import ChildConfig, model_config
+    from mesp.memory.model import predict
+    from mesp.quant import QuantSpec
+
+    cfg = model_config(ChildConfig(variant="mesp", engine="mesp", shape=shape))
+    p = predict(cfg, "mesp", seq, 2, rank, quant=QuantSpec(4, 64), dtype=getattr(torch, dtype),
+                optimizer="sgd", objective=objective)  # fmt: skip
+    return int(p["total"])
+
+
 def run_dpo(
     out: Path, shape: str, seq: int, rank: int, dtype: str, rounds: int, warmup: int,
     command: str, variants: tuple[str, ...] = VARIANTS,
@@ -159,6 +172,8 @@ def run_dpo(
     for p in per.values():
         p["median_s"] = statistics.median(p["steps_s"])
         p["tokens_per_s"] = tokens / p["median_s"]
+    for v in ("mesp-sft", "mesp-dpo"):  # what `mesp plan` predicts for this very step
+        per[v]["planned_bytes"] = _planned(shape, seq, rank, dtype, v.removeprefix("mesp-"))
     ratio = per["mesp-dpo"]["peak_bytes"] / per["mesp-sft"]["peak_bytes"]
     row: Row = {
         "table": "dpo",
@@ -216,13 +231,14 @@ def section(rows: list[Row]) -> list[str]:
             f"`{r['command']}` — {c['shape']}, seq {c['seq']} per sequence, rank {c['rank']}, "
             f"{c['dtype']}, {c['rounds']} rounds, {c['threads']} threads; {r['cpu']}.",
             "",
-            "| variant | exact peak MiB | over weights MiB | tokens/s |",
-            "|---|---|---|---|",
+            "| variant | exact peak MiB | over weights MiB | `mesp plan` MiB | tokens/s |",
+            "|---|---|---|---|---|",
         ]
         for n, v in r["variants"].items():
+            planned = f"{v['planned_bytes'] / mib:.1f}" if "planned_bytes" in v else "–"
             lines.append(
                 f"| {n} | {v['peak_bytes'] / mib:.1f} | {v['over_weights_bytes'] / mib:.1f} | "
-                f"{v['tokens_per_s']:.3g} |"
+                f"{planned} | {v['tokens_per_s']:.3g} |"
             )
         verdict = "meets" if r["meets_target"] else "misses"
         lines += [
