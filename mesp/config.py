@@ -24,6 +24,7 @@ MODEL_TYPES = {
     "smollm3": "smollm3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "gemma2": "gemma2",
 }
 # rope_theta when config.json names none (transformers' default_theta per family)
 DEFAULT_THETA = {"gemma3": 1_000_000.0, "smollm3": 2_000_000.0}
@@ -66,6 +67,8 @@ class ModelConfig:
     sliding_window: int | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 2: attention scores cap·tanh(s/cap) before the mask (the query-chunked attention)
+    attn_logit_softcapping: float | None = None
     # SmolLM3: per layer, whether it rotates q/k (HF's no_rope_layers: 1 = RoPE, 0 = NoPE)
     rope_layers: list[bool] = field(default_factory=list)
     # Granite: embeddings × embedding_multiplier, each residual branch × residual_multiplier,
@@ -134,7 +137,7 @@ class ModelConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(
-                    d.get("tie_word_embeddings", family in ("gemma3", "smollm3"))
+                    d.get("tie_word_embeddings", family in ("gemma3", "smollm3", "gemma2"))
                 ),
                 # Qwen2 always has q/k/v biases; HF's Qwen2 config has no key for it
                 attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
@@ -190,6 +193,10 @@ class ModelConfig:
             d.pop("layer_types")
         if self.family == "granite":
             d.update({k: getattr(self, k) for k in GRANITE_KEYS})
+        if self.family != "gemma2":  # the one family whose config has the key
+            d.pop("attn_logit_softcapping")
+        elif float(d["query_pre_attn_scalar"]).is_integer():  # Gemma2Config takes an int only
+            d["query_pre_attn_scalar"] = int(d["query_pre_attn_scalar"])
 
         def rp(r: RopeSpec) -> dict[str, Any]:
             out: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
@@ -214,7 +221,8 @@ class ModelConfig:
 
 
 def _new_families(d: dict[str, Any], family: str, n_layers: int, source: str) -> dict[str, Any]:
-    """The keys of Mistral, SmolLM3, Granite and OLMo 2, read as transformers reads them."""
+    """The keys of Mistral, SmolLM3, Granite, OLMo 2 and Gemma 2, read as transformers reads
+    them."""
     if d.get("mlp_bias"):
         raise MespError(f"{source}: mlp_bias is not supported")
     if family == "mistral":  # a window on every layer; absent means transformers' 4096
@@ -235,6 +243,18 @@ def _new_families(d: dict[str, Any], family: str, n_layers: int, source: str) ->
         if d.get("attention_bias"):  # OLMo 2's o_proj then has a bias too, which we do not build
             raise MespError(f"{source}: attention_bias is not supported for OLMo 2")
         return {"rms_norm_eps": float(d.get("rms_norm_eps", 1e-5))}  # transformers' default
+    if family == "gemma2":  # absent keys: transformers' Gemma2Config defaults
+        if d.get("use_bidirectional_attention"):
+            raise MespError(f"{source}: use_bidirectional_attention is not supported")
+        types = d.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n_layers)]
+        win = d.get("sliding_window", 4096)
+        return {
+            "layer_types": list(types) if win else [FULL] * n_layers,
+            "sliding_window": win,
+            "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+            "final_logit_softcapping": d.get("final_logit_softcapping", 30.0),
+            "attn_logit_softcapping": d.get("attn_logit_softcapping", 50.0),
+        }
     return {}
 
 

@@ -21,7 +21,7 @@ from mesp.models.transformer import KVCache
 from tests.hf_tiny import BASE, hf_model, mesp_from_hf
 from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
-NEW = ("mistral", "smollm3", "granite", "olmo2")
+NEW = ("mistral", "smollm3", "granite", "olmo2", "gemma2")
 IDS = torch.randint(0, 211, (2, 19), generator=torch.Generator().manual_seed(1))  # 19 > window 5
 
 
@@ -53,6 +53,8 @@ def test_logits_within_1e6_of_transformers(family: str) -> None:
                 "logits_scaling": 1.0,
             },
         ),
+        ("gemma2", {"attn_logit_softcapping": None}),
+        ("gemma2", {"final_logit_softcapping": None}),
     ],
 )
 def test_the_new_piece_changes_the_output(family: str, plain: dict) -> None:  # type: ignore[type-arg]

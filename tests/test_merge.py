@@ -33,7 +33,7 @@ def _adapter(model_dir: Path, out: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2", "llama", "gemma3", "mistral", "smollm3", "granite", "olmo2"]
+    "family", ["qwen2", "llama", "gemma3", "mistral", "smollm3", "granite", "olmo2", "gemma2"]
 )
 def test_merged_dir_equals_base_plus_adapter_in_mesp_and_transformers(
     family: str, tmp_path: Path
@@ -59,7 +59,7 @@ def test_merged_dir_equals_base_plus_adapter_in_mesp_and_transformers(
     assert (b.eos_id, b.chat_template) == (a.eos_id, a.chat_template)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "smollm3", "granite", "olmo2", "gemma2"])
 def test_quantized_merge_is_an_mlx_dir_that_loads_bit_exact(family: str, tmp_path: Path) -> None:
     base = make_model_dir(tmp_path / "base", family, **WIDE)
     _adapter(base, tmp_path / "ad")

@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 
 

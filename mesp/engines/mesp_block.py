@@ -180,6 +180,7 @@ def block_backward(
         tape.pop("lse"),
         at.scale,
         ctx.mask[t],
+        softcap=at.softcap,  # Gemma 2: the chunked pair, through the tanh cap
     )
     del do, o
     if at.rope:  # the inverse rotation (NoPE layers, SmolLM3: none)

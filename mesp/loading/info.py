@@ -107,6 +107,11 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
     if not all(cfg.rope_layers):  # SmolLM3's NoPE layers; Granite's four scalars
         n_nope = cfg.rope_layers.count(False)
         lines.append(f"no RoPE      on {n_nope} of {cfg.num_hidden_layers} layers")
+    if cfg.attn_logit_softcapping:  # Gemma 2
+        lines.append(
+            f"soft-caps    attention {cfg.attn_logit_softcapping:g}, "
+            f"logits {cfg.final_logit_softcapping or 0:g} (0: none)"
+        )
     if FAMILIES[cfg.family].post_norms:  # OLMo 2
         lines.append("norms        after attention and MLP outputs; q/k over whole projections")
     if cfg.residual_multiplier is not None:

@@ -80,6 +80,7 @@ class Attention(nn.Module):
             cfg.hidden_size,
         )
         self.n_heads, self.n_kv, self.head_dim, self.scale = h, kv, d, cfg.attn_scale
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores cap·tanh(s/cap)
         bias = cfg.attention_bias
         self.q_proj = Linear(hid, h * d, bias, dtype)
         self.k_proj = Linear(hid, kv * d, bias, dtype)
@@ -125,7 +126,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin, tape)
         causal = True
         if tape is not None:  # structured recompute: the flash backward needs out and lse
-            o, tape["lse"] = attention_fwd(q, k, v, self.scale, mask)
+            o, tape["lse"] = attention_fwd(q, k, v, self.scale, mask, softcap=self.softcap)
             tape.update(q=q, k=k, v=v, o=o)
         else:
             if cache is not None:
@@ -136,7 +137,7 @@ class Attention(nn.Module):
                 if window is not None:  # sliding layers never need more than the window
                     k, v = k[:, :, -window:], v[:, :, -window:]
                 kv.k[i], kv.v[i] = k, v
-            o = attention(q, k, v, self.scale, mask, causal=causal)
+            o = attention(q, k, v, self.scale, mask, causal=causal, softcap=self.softcap)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 

@@ -41,6 +41,7 @@ FAMILIES = (
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
+    "Gemma2ForCausalLM",
 )
 # MLPs whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)).
 _MLPS = (
@@ -52,6 +53,7 @@ _MLPS = (
     "SmolLM3MLP",
     "GraniteMLP",
     "Olmo2MLP",
+    "Gemma2MLP",
 )
 _RECORD = "_mesp_patch"
 
