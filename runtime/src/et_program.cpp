@@ -2,6 +2,8 @@
 
 #include <executorch/extension/data_loader/file_data_loader.h>
 #include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
+#include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/backend/options.h>
 #include <executorch/runtime/core/evalue.h>
 #include <executorch/runtime/core/hierarchical_allocator.h>
 #include <executorch/runtime/executor/memory_manager.h>
@@ -181,7 +183,19 @@ static void check_meta(const Loaded& p, const et::MethodMeta& meta) {
   }
 }
 
+// XNNPACK's workspace (its activation arena) is per delegate call unless told otherwise; the
+// runner runs one program at a time, so every delegate call of every method shares one: the
+// backend's "Global" mode (WorkspaceSharingMode::Global = 2 in XNNPACKBackend.h, which the
+// wheel does not ship). It must be set before the methods' delegates are initialized.
+static void share_xnnpack_workspace() {
+  et::BackendOptions<1> opts;
+  if (opts.set_option("workspace_sharing_mode", 2) != et::Error::Ok ||
+      et::set_option("XnnpackBackend", opts.view()) != et::Error::Ok)
+    throw RunnerError("XNNPACK refused its workspace sharing mode (an executorch other than 1.5?)");
+}
+
 void Programs::load(const Artifacts& art) {
+  share_xnnpack_workspace();
   // Pass 1: deserialize each program, check it, learn its planned buffer sizes.
   size_t n_buffers = 0;
   for (const auto& [name, spec] : art.programs) {
