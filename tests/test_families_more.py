@@ -101,7 +101,7 @@ def test_config_round_trips_through_transformers(family: str) -> None:
     assert ModelConfig.from_hf(hf_cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("family", ["mistral", "smollm3"])
+@pytest.mark.parametrize("family", ["mistral", "smollm3", "gemma2"])
 def test_decoding_with_the_cache_equals_the_full_forward(family: str) -> None:
     """Prefill 3 tokens, then one token at a time past the window (5): each step's logits are
     the full forward's (the cache keeps only the window on sliding layers)."""
