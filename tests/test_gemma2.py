@@ -50,3 +50,23 @@ def test_info_and_export_refusal(tmp_path: Path, capsys: pytest.CaptureFixture) 
     argv = ["export", "--model", str(base), "--adapter", str(ad), "--out", str(tmp_path / "x")]
     assert main(argv) == 2
     assert "soft-capping (Gemma 2)" in capsys.readouterr().err
+
+
+def test_sampled_softmax_and_logits_masking_under_both_caps() -> None:
+    """The loss-head options with Gemma 2's final cap (and the attention cap upstream): logits
+    masking off gives the same gradients, and the sampled softmax is the same objective in
+    mebp and mesp as in bp."""
+    from mesp.engines.loss import LossSpec
+    from tests.engine_cases import model_with_adapter
+
+    model, batch = model_with_adapter("gemma2"), padded_batch()
+    on = grads_of(make_engine("mesp", loss=LossSpec(mask_logits=True)), model, batch)
+    off = grads_of(make_engine("mesp", loss=LossSpec(mask_logits=False)), model, batch)
+    assert on[0] == pytest.approx(off[0], rel=1e-6)
+    assert_grads_match(on[1], off[1])
+    sampled = LossSpec("sampled-softmax", vocab_subset=40, seed=3)
+    ref_loss, ref = grads_of(make_engine("bp", loss=sampled), model, batch)
+    for name in ("mebp", "mesp"):
+        loss, g = grads_of(make_engine(name, loss=sampled), model, batch)
+        assert loss == pytest.approx(ref_loss, rel=1e-5), name
+        assert_grads_match(ref, g)
