@@ -10,7 +10,7 @@ parameters only through the lp_b, so
 is the gradient of a *weighted token cross-entropy* whose weight on row b's tokens is the scalar
 −dL/dlp_b. So `PreferenceEngine.step` runs:
   1. the reference log-probs: the same model with every adapter's scale set to 0 (the base,
-     no second copy), no tape;
+     no second copy), no tape; or, with --ref-cache, read per row from disk (ref_cache.py);
   2. the policy log-probs, no tape;
   3. the pair loss and its derivative wrt each row's lp (B scalars);
   4. the wrapped engine's ordinary SFT step on the batch with those per-token weights.
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mesp.batch import Batch
+from mesp.engines.ref_cache import RefCache, row_keys
 from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import CEOptions, chunked_ce_row_losses
@@ -131,18 +132,41 @@ def check_pairs(batch: Batch) -> Tensor:
     return n
 
 
+def reference_logps(
+    model: CausalLM, batch: Batch, opts: CEOptions | None = None, cache: RefCache | None = None
+) -> Tensor:
+    """(B,) fp64: the base model's (adapters off) summed completion log-probs, no tape; from
+    `cache` where every row is there (the first such batch of a process is also recomputed
+    and checked against it), written to it otherwise."""
+    keys = row_keys(batch) if cache is not None else []
+    got = cache.lookup(keys) if cache is not None else None
+    if got is not None and cache is not None and cache.verified:
+        return got
+    with adapters_off(model):
+        ref = sequence_logps(model, batch, opts)
+    if cache is not None:
+        if got is not None:
+            cache.verify(got, ref)
+            return got  # the cached bits, as every later epoch and resume reads them
+        cache.store(keys, ref)
+    return ref
+
+
 def preference_weights(
-    model: CausalLM, batch: Batch, obj: Objective, opts: CEOptions | None = None
+    model: CausalLM,
+    batch: Batch,
+    obj: Objective,
+    opts: CEOptions | None = None,
+    ref_cache: RefCache | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """(per-token weights (B, S), micro-batch loss, stats): the reference pass first (no
-    tape, adapters off), then the policy's (no tape); dL/dlp by autograd over the B scalars
-    (exact; for DPO it is −β·σ(−β·logits) for the chosen row and the opposite for the
-    rejected)."""
+    tape, adapters off; or `ref_cache`'s values), then the policy's (no tape); dL/dlp by
+    autograd over the B scalars (exact; for DPO it is −β·σ(−β·logits) for the chosen row and
+    the opposite for the rejected)."""
     n = check_pairs(batch)
     ref = None
     if obj.kind == "dpo":
-        with adapters_off(model):
-            ref = sequence_logps(model, batch, opts)
+        ref = reference_logps(model, batch, opts, ref_cache)
     lp = sequence_logps(model, batch, opts).requires_grad_()
     with torch.enable_grad():
         loss, stats = pair_terms(obj, lp, ref, n)
@@ -168,9 +192,12 @@ class PreferenceEngine:
             raise MespError(f"--objective {objective.kind} needs the exact loss (--loss ce)")
         self.inner, self.objective, self.name = inner, objective, inner.name
         self.loss = loss
+        # --ref-cache: set by the trainer, not an engine option, so it stays out of the resume
+        # fingerprint (cached values are the reference's, within RefCache.AGREE)
+        self.ref_cache: RefCache | None = None
 
     def step(self, model: CausalLM, batch: Batch, normalizer: int) -> float:
-        w, loss, _ = preference_weights(model, batch, self.objective)
+        w, loss, _ = preference_weights(model, batch, self.objective, None, self.ref_cache)
         self.inner.step(model, replace(batch, weights=w), normalizer)
         return float(loss)
 

@@ -50,6 +50,14 @@ class RunOptions:
             "stop and save if the measured peak crosses it"
         },
     )
+    ref_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "dpo: keep the reference log-probs per row in DIR and reuse them across "
+            "epochs and resumes (checked against the model on the first hit)",
+            "metavar": "DIR",
+        },
+    )
     tensorboard: str | None = field(
         default=None,
         metadata={
@@ -142,6 +150,12 @@ def run(job: TrainJob) -> int:
     engine = make_engine(
         job.engine.engine, **engine_kwargs(job.engine, job.model.quantize, seed, wd, tapes)
     )
+    if job.run.ref_cache:  # not an engine option: cached values leave the fingerprint alone
+        if obj != "dpo":
+            raise MespError("--ref-cache keeps DPO's reference log-probs: needs --objective dpo")
+        from mesp.engines.ref_cache import RefCache
+
+        engine.ref_cache = RefCache(Path(job.run.ref_cache))  # type: ignore[attr-defined]
     dp = from_env(job.run.dist_timeout, job.model.device)
     main = dp is None or dp.is_main
     say = print if main else (lambda *a, **k: None)
