@@ -183,7 +183,8 @@ static void check_meta(const Loaded& p, const et::MethodMeta& meta) {
   }
 }
 
-// XNNPACK's workspace (its activation arena) is per delegate call unless told otherwise; the
+// XNNPACK's workspace (its activation arena) is per delegate call unless the library was built
+// with ENABLE_XNNPACK_SHARED_WORKSPACE or told otherwise at run time; the
 // runner runs one program at a time, so every delegate call of every method shares one: the
 // backend's "Global" mode (WorkspaceSharingMode::Global = 2 in XNNPACKBackend.h, which the
 // wheel does not ship). It must be set before the methods' delegates are initialized.
