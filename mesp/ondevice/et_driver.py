@@ -7,7 +7,7 @@ ExecuTorch. One step:
   embed -> for each block: read its weights file, forward, drop the weights (keep the input)
   -> the loss programs (trained rows only; start, one call per vocabulary slice, finish)
   -> for each block in reverse: read, recompute + hand
-  backward in one program, drop -> the update program on every adapter tensor.
+  backward in one program, drop, then the update program on that block's adapter tensors.
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ class EtTrainer:
             self.lora.append(
                 {k: init[f"{PEFT_PREFIX}model.layers.{i}.{k}.weight"].clone() for k in names}
             )
-        self.grads: list[Tensors] = [{} for _ in self.blocks]
         self.m = [{k: torch.zeros_like(t) for k, t in d.items()} for d in self.lora]
         self.v = [{k: torch.zeros_like(t) for k, t in d.items()} for d in self.lora]
         self.t = 0
@@ -122,7 +121,13 @@ class EtTrainer:
         return src
 
     @torch.no_grad()
-    def step(self, ids: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor) -> float | None:
+    def step(
+        self, ids: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, k: int = 0
+    ) -> float | None:
+        """One step: forward, loss, then the blocks in reverse, each block's adapter updated
+        right after its backward (its parameters are not read again this step, and no update
+        depends on another block's gradient: exact, and only one block's gradients are held).
+        A non-finite loss raises before anything is updated."""
         n = int(mask.sum())
         if n == 0:
             return None
@@ -135,14 +140,17 @@ class EtTrainer:
                 h = run(f"{b['fn']}.forward", self._src(w, i, {"x": h}))["y"]
         rows = mask.reshape(-1).nonzero().squeeze(1)
         out = self.loss(h, rows, tgt.reshape(-1).index_select(0, rows), torch.tensor(float(n)))
-        loss_sum, g = float(out["loss"].sum(dtype=torch.float64)), out["dh"]
+        loss = float(out["loss"].sum(dtype=torch.float64)) / n
+        if not math.isfinite(loss):
+            raise RunnerError(f"non-finite loss at step {k}; no adapter written (lower --lr?)")
+        g, scal = out["dh"], self._scalars()
         for i in range(len(self.blocks) - 1, -1, -1):
             b = self.blocks[i]
             with art.block(i) as w:
                 out = run(f"{b['fn']}.backward", self._src(w, i, {"x": xs.pop(), "dy": g}))
             g = out.pop("dx")
-            self.grads[i] = {k[5:]: t for k, t in out.items()}
-        return loss_sum / n
+            self._update(i, {k[5:]: t for k, t in out.items()}, scal)
+        return loss
 
     def loss(
         self, h: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor, norm: torch.Tensor
@@ -162,26 +170,26 @@ class EtTrainer:
             st.update(run("loss_slice" if v1 - v0 == chunk else "loss_tail", ins.__getitem__))
         return run("loss_finish", self._src(w, None, {**extra, **st}))
 
-    @torch.no_grad()
-    def update(self) -> None:
-        """One optimizer step on every adapter tensor, through the exported update program."""
+    def _scalars(self) -> Tensors:
+        """The optimizer's inputs for the next optimizer step (t counts them, from 1)."""
         cfg, self.t = self.cfg, self.t + 1
         one = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
         if cfg.optimizer == "sgd":
-            scal = {"lr": one(cfg.lr), "weight_decay": one(cfg.weight_decay)}
-        else:
-            s = adamw_scalars(cfg.lr, cfg.weight_decay, self.t)
-            scal = {k: one(s[k]) for k in ADAMW_SCALARS}
-        for i, d in enumerate(self.lora):
-            for k, p in d.items():
-                vec = {"p": p.reshape(-1), "g": self.grads[i][k].reshape(-1)}
-                if cfg.optimizer == "adamw":
-                    vec.update(m=self.m[i][k].reshape(-1), v=self.v[i][k].reshape(-1))
-                out = self.progs.run(cfg.optimizer, {**vec, **scal}.__getitem__)
-                d[k] = out["p"].view(p.shape)
-                if cfg.optimizer == "adamw":
-                    self.m[i][k], self.v[i][k] = out["m"].view(p.shape), out["v"].view(p.shape)
-        self.grads = [{} for _ in self.blocks]
+            return {"lr": one(cfg.lr), "weight_decay": one(cfg.weight_decay)}
+        s = adamw_scalars(cfg.lr, cfg.weight_decay, self.t)
+        return {k: one(s[k]) for k in ADAMW_SCALARS}
+
+    def _update(self, i: int, grads: Tensors, scal: Tensors) -> None:
+        """Block i's adapter tensors through the exported update program."""
+        opt, d = self.cfg.optimizer, self.lora[i]
+        for k, p in d.items():
+            vec = {"p": p.reshape(-1), "g": grads[k].reshape(-1)}
+            if opt == "adamw":
+                vec.update(m=self.m[i][k].reshape(-1), v=self.v[i][k].reshape(-1))
+            out = self.progs.run(opt, {**vec, **scal}.__getitem__)
+            d[k] = out["p"].view(p.shape)
+            if opt == "adamw":
+                self.m[i][k], self.v[i][k] = out["m"].view(p.shape), out["v"].view(p.shape)
 
 
 def train(
@@ -193,11 +201,7 @@ def train(
     trainer = EtTrainer(art, cfg)
     data, losses = batches(rows, art.batch_size), []
     for k in range(1, cfg.steps + 1):
-        loss = trainer.step(*make_batch(next(data), art.batch_size, art.seq_len))
-        if loss is not None:
-            if not math.isfinite(loss):
-                raise RunnerError(f"non-finite loss at step {k}; no adapter written (lower --lr?)")
-            trainer.update()
+        loss = trainer.step(*make_batch(next(data), art.batch_size, art.seq_len), k)
         losses.append(loss)
         if log is not None:
             log(k, loss)

@@ -240,13 +240,16 @@ void Trainer::prepare(Programs& programs) {
       Shape shape = l.p.shape;
       l.p = HostTensor(l.p.dtype, shape);
       std::memcpy(l.p.buf.data(), init.data(name), l.p.nbytes());
-      l.g = HostTensor(l.p.dtype, shape);
       if (opt_.optimizer == "adamw") {  // the moments start at zero
         l.m = HostTensor(l.p.dtype, shape);
         l.v = HostTensor(l.p.dtype, shape);
       }
     }
   }
+  size_t most = 0;
+  for (const auto& block : lora_) most = std::max(most, block.size());
+  grads_.clear();
+  for (size_t j = 0; j < most; ++j) grads_.emplace_back(DType::F32, Shape{max_lora_numel_});
   sample_memory();
 }
 
@@ -272,6 +275,10 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
 
   // Loss: per-row losses (summed in double, as the engine does) and dL/dh into g_.
   const double loss = run_loss(n) / static_cast<double>(n);
+  if (!std::isfinite(loss))  // before any update: the adapter stays as it was
+    throw RunnerError("non-finite loss at step " + std::to_string(k) +
+                      "; no adapter written (lower --lr?)");
+  begin_update();
 
   // Backward, last block first: dy in g_, dx back into g_, the LoRA gradients kept.
   for (size_t i = L; i-- > 0;) {
@@ -280,13 +287,15 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
     outs = run(prog, static_cast<int>(i), {{"x", ref(checkpoints_[i])}, {"dy", ref(g_)}});
     block_.release();
     copy_out(output(outs, prog, "dx"), g_, prog + ": dx");
-    for (Lora& l : lora_[i])
-      copy_out(output(outs, prog, "grad/" + l.key), l.g, prog + ": grad/" + l.key);
+    for (size_t j = 0; j < lora_[i].size(); ++j) {
+      const Lora& l = lora_[i][j];
+      const TensorRef& gr = output(outs, prog, "grad/" + l.key);
+      if (gr.dtype != l.p.dtype || gr.shape != l.p.shape)
+        throw RunnerError(prog + ": grad/" + l.key + " came back as " + shape_str(gr.shape));
+      std::memcpy(grads_[j].buf.data(), gr.data, gr.nbytes());
+    }
+    update_block(i);
   }
-  if (!std::isfinite(loss))
-    throw RunnerError("non-finite loss at step " + std::to_string(k) +
-                      "; no adapter written (lower --lr?)");
-  optimizer_step();
   return loss;
 }
 

@@ -3,7 +3,7 @@
 //   -> loss: start, one program call per vocabulary slice, finish (per-row losses and the
 //      gradient of the last hidden state; train_loss.cpp)
 //   -> per block in reverse: map its weights, backward (dx and the LoRA gradients), unmap
-//   -> sgd / adamw program on every LoRA tensor.
+//   -> sgd / adamw program on each block's LoRA tensors right after that block's backward.
 #pragma once
 
 #include <map>
@@ -49,7 +49,7 @@ class Trainer {
  private:
   struct Lora {
     std::string key;  // e.g. "self_attn.q_proj.lora_A"
-    HostTensor p, g, m, v;
+    HostTensor p, m, v;
   };
 
   std::vector<TensorRef> bind(const std::string& prog, int block,
@@ -58,7 +58,13 @@ class Trainer {
                              const std::map<std::string, TensorRef>& named);
   const TensorRef& output(const std::vector<TensorRef>& outs, const std::string& prog,
                           const std::string& name) const;
-  void optimizer_step();
+  // The optimizer: begin_update() takes the next step's scalars (t counts optimizer steps);
+  // update_block(i) runs the update program on block i's adapter tensors with the gradients in
+  // grads_ (optimizer.cpp). Called right after block i's backward: exact (block i's adapter is
+  // not read again this step and the updates are per tensor), so only one block's gradients
+  // exist at a time.
+  void begin_update();
+  void update_block(size_t i);
   void sample_memory();
   // The loss (train_loss.cpp): the up-front checks of its programs, and one run of the loop
   // loss_start -> loss_slice per vocabulary slice (loss_tail: a shorter last) -> loss_finish on
@@ -76,6 +82,8 @@ class Trainer {
   std::vector<HostTensor> checkpoints_;  // block inputs x_i
   HostTensor ids_, rows_, tgt_, norm_, h_, g_;
   HostTensor scalars_[8];        // 0-d f32 optimizer inputs
+  std::map<std::string, TensorRef> opt_named_;  // the scalars, by input name
+  std::vector<HostTensor> grads_;  // one block's LoRA gradients (max numel each), reused
   std::vector<std::string> state_names_;  // loss_start's outputs: hs, then the running state
   std::vector<HostTensor> state_;         // their buffers, B*S rows (n used)
   HostTensor v0_;                         // 0-d i64: the slice's first vocabulary id
