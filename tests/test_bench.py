@@ -173,3 +173,29 @@ def test_bf16_against_fp32_section_pairs_the_same_configuration() -> None:
     text = "\n".join(dtype_section([row("float32", 10.0), row("bfloat16", 11.0)]))
     assert "## bf16 against fp32" in text and "| 1.10 | fp32 compute |" in text
     assert dtype_section([row("float32", 10.0), row("bfloat16", 11.0, "mebp")]) == []
+
+
+def test_ondevice_section_names_the_cpu_and_the_ratio() -> None:
+    """The on-device table computes native / engine from the row's two medians and names the
+    CPU each row ran on (rows from two machines are never paired); an old row says so."""
+    from mesp.bench.ondevice import section
+
+    def row(cpu: str | None) -> dict:
+        r = {
+            "table": "ondevice",
+            "status": "ok",
+            "config": {"shape": "qwen2.5-0.5b", "seq": 256, "bits": 4},
+            "native": {
+                "median_s": 9.0,
+                "peak_anon_bytes": 150e6,
+                "peak_rss_bytes": 300e6,
+                "planned_bytes": {"g0.backward": 80e6, "loss_slice": 50e6},
+            },
+            "engine": {"median_s": 6.0, "peak_rss_bytes": 900e6},
+        }
+        return r | ({"cpu": cpu} if cpu else {})
+
+    text = "\n".join(section([row("Xeon, 2 cores"), row(None)]))
+    assert "| 9.00 | 6.00 | 1.50 | 150.0 |" in text
+    assert "| 80.0 (g0.backward) | Xeon, 2 cores |" in text
+    assert "| not recorded |" in text
