@@ -201,9 +201,22 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     planned = ", ".join(
         f"{k} {v / 1e6:.1f}" for k, v in sorted(r["native"]["planned_bytes"].items())
     )
+    seen = [
+        f"{e['at'].removeprefix('after first ')} {e['rss_anon_bytes'] / 2**20:.1f}"
+        for e in r["native"].get("memory_events", [])
+        if not e["at"].startswith("before")
+    ]
     lines += [
         "",
         f"Planned memory per program (MB), {r['config']['shape']}: {planned}.",
+        *(
+            [
+                f"Runner RssAnon (MiB) at each point of step 1: "
+                f"{', '.join(seen)}."
+            ]
+            if seen
+            else []
+        ),
         "Targets: peak anon ≤ 136 MB, native step ≤ 1.2× the engine's (both measured in one "
         "run, alone on the machine).",
         "",
