@@ -262,6 +262,8 @@ PUBLISHED = {
     "mistral-7b-v0.3": 7.25e9,  # the model page's count
     "smollm3-3b": 3.08e9,
     "granite-3.1-2b": 2.53e9,
+    "olmo2-7b": 7.30e9,  # the model page's count
+    "gemma2-2b": 2.61e9,  # the model page's count (tied head counted once)
 }
 
 

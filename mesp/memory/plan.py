@@ -77,6 +77,8 @@ FAMILY_SIZES: dict[str, list[str]] = {
     "mistral": ["mistral-7b-v0.3"],
     "smollm3": ["smollm3-3b"],
     "granite": ["granite-3.1-2b"],
+    "olmo2": ["olmo2-7b"],
+    "gemma2": ["gemma2-2b"],
 }
 
 
