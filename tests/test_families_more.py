@@ -141,9 +141,9 @@ def test_mezo_loss_is_bps(family: str) -> None:
     assert make_engine("mezo").loss_sum(model, batch) == pytest.approx(loss_bp, rel=1e-6)
 
 
-@pytest.mark.parametrize("family", NEW)
+@pytest.mark.parametrize("family", ["smollm3", "granite", "olmo2"])
 def test_a_merged_gguf_refuses_in_one_line(family: str, tmp_path: Path) -> None:
-    """mesp's GGUF writer has no Granite/SmolLM3 architecture, nor Mistral's window."""
+    """mesp's GGUF writer has no architecture for these yet (Mistral, Gemma 2: test_gguf_families)."""
     base = make_model_dir(tmp_path / "m", family)
     ad = tmp_path / "ad"
     data = make_jsonl(tmp_path / "d.jsonl", 4)

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import LlamaFileType as FT
 
 from mesp.atomic_io import atomic_write
-from mesp.convert.gguf_model import ARCHS, gguf_names, permute_rows
+from mesp.convert.gguf_model import ARCHS, PERMUTED, gguf_names, permute_rows
 from mesp.errors import MespError
 from mesp.loading.hub import adapter_dir
 from mesp.loading.session import ModelOptions, open_model
@@ -57,7 +57,7 @@ def export_adapter(opts: ModelOptions, e: ExportAdapterOptions) -> str:
     check_output_dir(out.parent)
     loaded = open_model(opts)  # the base only names and shapes the tensors; any precision does
     cfg = loaded.model.config
-    if cfg.family not in ARCHS:  # Mistral (its window), SmolLM3, Granite: no writer yet
+    if cfg.family not in ARCHS:  # no writer yet
         raise MespError(
             f"{loaded.source}: a llama.cpp adapter for {cfg.family} is not supported yet "
             f"(supported: {', '.join(ARCHS)}); the PEFT adapter directory works with PEFT"
@@ -70,9 +70,9 @@ def export_adapter(opts: ModelOptions, e: ExportAdapterOptions) -> str:
         base = names[f"{name}.weight"]
         a = mod.lora_A.detach().float().cpu().numpy()
         b = mod.lora_B.detach().float().cpu().numpy()
-        if cfg.family == "llama" and base.endswith("attn_q.weight"):
+        if cfg.family in PERMUTED and base.endswith("attn_q.weight"):
             b = permute_rows(b, cfg.num_attention_heads)
-        elif cfg.family == "llama" and base.endswith("attn_k.weight"):
+        elif cfg.family in PERMUTED and base.endswith("attn_k.weight"):
             b = permute_rows(b, cfg.num_key_value_heads)
         tensors[f"{base}.lora_a"], tensors[f"{base}.lora_b"] = a, b
 

@@ -54,7 +54,39 @@ ARCHS = {
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
+    # convert_hf_to_gguf registers MistralForCausalLM under LlamaModel: arch "llama"
+    "mistral": gguf.MODEL_ARCH.LLAMA,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
 }
+# families written with LlamaModel's q/k row permutation (llama.cpp's interleaved rope)
+PERMUTED = ("llama", "mistral")
+# families whose RMSNorm scales by 1 + w, stored as 1 + w by the converter
+NORM_SHIFTED = ("gemma3", "gemma2")
+
+
+def check_writable(cfg: ModelConfig) -> None:
+    """Refuse, in one line, a model whose math llama.cpp's architecture for it cannot express
+    (the file would load there and compute something else)."""
+    n = cfg.num_hidden_layers
+    if cfg.family == "mistral" and (cfg.sliding_window or math.inf) < cfg.max_position_embeddings:
+        raise MespError(
+            f"a Mistral with sliding_window {cfg.sliding_window} has no llama.cpp GGUF form: "
+            "the converter writes it as arch llama, which attends to the whole context"
+        )
+    if cfg.family == "gemma2":
+        # Gemma2Model writes no rope base, and llama.cpp fixes the scale and layer pattern
+        assumed = cfg.hidden_size // cfg.num_attention_heads if n == 46 else cfg.head_dim
+        if cfg.rope[FULL].theta != 10000.0 or cfg.rope[FULL].kind != "default":
+            raise MespError("a Gemma 2 GGUF has no rope key: llama.cpp assumes theta 10000")
+        if (cfg.query_pre_attn_scalar or cfg.head_dim) != assumed:
+            raise MespError(
+                f"Gemma 2's query_pre_attn_scalar {cfg.query_pre_attn_scalar:g} has no GGUF key: "
+                f"llama.cpp scales by 1/sqrt({assumed})"
+            )
+        if cfg.layer_types != [SLIDING if i % 2 == 0 else FULL for i in range(n)]:
+            raise MespError("a Gemma 2 GGUF slides on even layers only (llama.cpp's pattern)")
+        if not (cfg.attn_logit_softcapping and cfg.final_logit_softcapping):
+            raise MespError("a Gemma 2 GGUF needs both soft-caps (llama.cpp always applies them)")
 
 
 def gguf_names(cfg: ModelConfig, hf_names: Iterable[str]) -> dict[str, str]:
@@ -80,11 +112,11 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def to_llama_cpp(gguf_name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """The converter's edits of one float32 tensor (see the module docstring)."""
-    if cfg.family == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+    if cfg.family in PERMUTED and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
         w = permute_rows(w, cfg.num_attention_heads)
-    if cfg.family == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+    if cfg.family in PERMUTED and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
         w = permute_rows(w, cfg.num_key_value_heads)
-    if cfg.family == "gemma3" and gguf_name.endswith("norm.weight"):
+    if cfg.family in NORM_SHIFTED and gguf_name.endswith("norm.weight"):
         w = w + np.float32(1.0)
     return w
 
@@ -117,9 +149,10 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope[FULL].theta)
+    if cfg.family != "gemma2":  # Gemma2Model writes no rope base (checked: 10000)
+        w.add_rope_freq_base(cfg.rope[FULL].theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if cfg.family == "llama":  # LlamaModel: vocab size, head_dim as the rope dimension count
+    if cfg.family in PERMUTED:  # LlamaModel: vocab size, head_dim as the rope dimension count
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.head_dim)
     else:  # TextModel writes head_dim as key/value length when the config has one
@@ -129,8 +162,13 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     if rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope.factor)
-    elif rope.kind == "llama3" and cfg.family != "llama":
+    elif rope.kind == "llama3" and cfg.family not in PERMUTED:
         raise MespError(f"llama3 rope scaling has no GGUF form for {cfg.family}")
+    if cfg.family == "gemma2":  # Gemma2Model's three keys
+        assert cfg.attn_logit_softcapping and cfg.final_logit_softcapping  # check_writable
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window or cfg.max_position_embeddings)
     if cfg.family == "gemma3":
         w.add_rope_freq_base_swa(cfg.rope[SLIDING].theta)
         if cfg.sliding_window is not None:
@@ -167,6 +205,7 @@ def write_model_gguf(
     if gguf_type not in GGUF_TYPES:
         raise MespError(f"--gguf-type {gguf_type!r}: choose from {', '.join(GGUF_TYPES)}")
     want, ftype = GGUF_TYPES[gguf_type]
+    check_writable(cfg)
     if cfg.tie_word_embeddings:  # llama.cpp reuses token_embd when output.weight is absent
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     names = gguf_names(cfg, tensors)

@@ -192,7 +192,7 @@ def merge_to_gguf(opts: ModelOptions, m: MergeOptions) -> str:
     check_output_dir(out.parent)
     # merged in float32 whatever --dtype says: the file's type decides the precision
     loaded = open_model(ModelOptions(model=opts.model, quantize="none", dtype="float32"))
-    if loaded.model.config.family not in GGUF_ARCHS:  # Mistral, SmolLM3, Granite: not yet
+    if loaded.model.config.family not in GGUF_ARCHS:  # no writer yet
         raise MespError(f"a merged GGUF of a {loaded.model.config.family} model is not supported")
     cfg = load_adapter(loaded.model, adapter_dir(m.adapter))
     vocab = vocab_kvs(loaded, loaded.model.config.vocab_size)  # fail before the merge

@@ -72,7 +72,7 @@ class GGUFFile:
         except (TypeError, ValueError) as e:  # a key holding the wrong kind of value
             raise MespError(f"{where}: bad metadata value: {e}") from None
         self.tokenizer = tokenizer_from_gguf(meta, where)
-        layer_map = GEMMA_LAYER if arch == "gemma3" else LAYER
+        layer_map = GEMMA_LAYER if arch in ("gemma3", "gemma2") else LAYER
         n_layers = cfg["num_hidden_layers"]
         wanted = [f"blk.{i}.{t}.weight" for i in range(n_layers) for t in REQUIRED[arch]]
         wanted += [

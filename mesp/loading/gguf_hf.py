@@ -12,7 +12,13 @@ import numpy as np
 
 from mesp.errors import MespError
 
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "gemma2": "gemma2",
+}
 GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -27,7 +33,7 @@ LAYER = {
     **{f"ffn_{x}.weight": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")},
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-# Gemma 3 has four norms per block; llama.cpp names the pre-MLP one ffn_norm like llama's.
+# Gemma 2 and 3 have four norms per block; llama.cpp names the pre-MLP one ffn_norm like llama's.
 GEMMA_LAYER = {
     **LAYER,
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -51,7 +57,9 @@ REQUIRED = {
     "qwen2": _CORE,
     "qwen3": _CORE + _QK_NORM,
     "gemma3": _CORE + _QK_NORM + ["post_attention_norm", "post_ffw_norm"],
+    "gemma2": _CORE + ["post_attention_norm", "post_ffw_norm"],
 }
+NORM_SHIFTED = ("gemma3", "gemma2")
 
 
 def shown(name: str) -> str:
@@ -131,6 +139,21 @@ def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str
                 "attn_logit_softcapping": get("attn_logit_softcapping", None),
             }
         )
+    if arch == "gemma2":  # llama.cpp's LLM_ARCH_GEMMA2 hparams, their defaults where absent
+        # sliding on even layers; scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) at 27B (46)
+        del cfg["hidden_act"]
+        cfg.update(
+            {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "sliding_window": int(get("attention.sliding_window", 4096)),
+                "layer_types": [
+                    "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+                ],
+                "query_pre_attn_scalar": hidden // heads if n == 46 else head_dim,
+                "final_logit_softcapping": float(get("final_logit_softcapping", 30.0)),
+                "attn_logit_softcapping": float(get("attn_logit_softcapping", 50.0)),
+            }
+        )
     return cfg
 
 
@@ -187,6 +210,6 @@ def undo_converter(name: str, w: np.ndarray, arch: str, cfg: dict, where: str) -
                 f"{where}: tensor {shown(name)} has {w.shape[0]} rows, not {n} rope heads"
             )
         w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    if arch == "gemma3" and name.endswith("norm.weight"):
-        w = w - np.float32(1.0)  # Gemma3Model stores HF's (1 + w) RMSNorm scale; q/k norms too
+    if arch in NORM_SHIFTED and name.endswith("norm.weight"):
+        w = w - np.float32(1.0)  # Gemma2/3Model store HF's (1 + w) RMSNorm scale; q/k norms too
     return w
