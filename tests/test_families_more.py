@@ -141,20 +141,6 @@ def test_mezo_loss_is_bps(family: str) -> None:
     assert make_engine("mezo").loss_sum(model, batch) == pytest.approx(loss_bp, rel=1e-6)
 
 
-@pytest.mark.parametrize("family", ["smollm3", "granite", "olmo2"])
-def test_a_merged_gguf_refuses_in_one_line(family: str, tmp_path: Path) -> None:
-    """mesp's GGUF writer has no architecture for these yet (Mistral, Gemma 2: test_gguf_families)."""
-    base = make_model_dir(tmp_path / "m", family)
-    ad = tmp_path / "ad"
-    data = make_jsonl(tmp_path / "d.jsonl", 4)
-    assert main(train_argv(base, data, ad, steps=1, seq_len=32, quantize="none")) == 0
-    argv = ["merge", "--model", str(base), "--adapter", str(ad), "--out", str(tmp_path / "m.gguf")]
-    assert main(argv) == 2
-    argv = ["export-adapter", "--model", str(base), "--adapter", str(ad)]
-    assert main([*argv, "--out", str(tmp_path / "a.gguf")]) == 2  # one line, not a KeyError
-    assert not (tmp_path / "a.gguf").exists()
-
-
 @pytest.mark.parametrize("family", ["mistral", "smollm3"])
 def test_mesp_through_the_chunked_attention_matches_bp(family: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Where the CPU flash kernel is not used (CUDA, other torches), mesp's forward and backward

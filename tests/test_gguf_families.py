@@ -34,8 +34,18 @@ SHAPES: dict[str, dict[str, object]] = {
     "mistral": {"sliding_window": None},
     "gemma2": {},
     "gemma2-tf": {"head_dim": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "olmo2": {},
+    "granite": {},  # hf_tiny's four multipliers, each away from 1
+    # llama.cpp's SmolLM3: NoPE on every 4th layer, no window
+    "smollm3": {
+        "num_hidden_layers": 4,
+        "no_rope_layers": [1, 1, 1, 0],
+        "use_sliding_window": False,
+    },
 }
-ARCH = {"mistral": "llama", "gemma2": "gemma2"}
+ARCH = {"mistral": "llama"} | {f: f for f in ("gemma2", "olmo2", "granite", "smollm3")}
+# transformers' GGUF loader reads none of these architectures: mesp's reader is the check
+MESP_ONLY = ["olmo2", "granite", "smollm3"]
 
 
 def _base(tmp: Path, case: str) -> Path:
@@ -68,7 +78,7 @@ def test_merged_gguf_in_transformers_equals_base_plus_adapter(case: str, tmp_pat
     assert reader.fields["general.architecture"].contents() == ARCH[case.removesuffix("-tf")]
 
 
-@pytest.mark.parametrize("case", ["mistral", "gemma2"])
+@pytest.mark.parametrize("case", ["mistral", "gemma2", *MESP_ONLY])
 def test_merged_gguf_in_mesp_equals_base_plus_adapter(case: str, tmp_path: Path) -> None:
     base = _base(tmp_path, case)
     out = _merge(base, tmp_path, "merged.gguf")
@@ -83,9 +93,15 @@ def test_merged_gguf_in_mesp_equals_base_plus_adapter(case: str, tmp_path: Path)
         assert fields["gemma2.attention.sliding_window"].contents() == 5
         assert "gemma2.rope.freq_base" not in fields
         assert back.model.config.layer_types == ["sliding_attention", "full_attention"]
+    if case == "granite":  # GraniteModel's *_scale keys
+        want = {"attention.scale": 0.07, "embedding_scale": 3.0, "residual_scale": 0.4}
+        for key, value in {**want, "logit_scale": 2.5}.items():
+            assert fields[f"granite.{key}"].contents() == pytest.approx(value)
+    if case == "smollm3":
+        assert back.model.config.rope_layers == [True, True, True, False]
 
 
-@pytest.mark.parametrize("case", ["mistral", "gemma2"])
+@pytest.mark.parametrize("case", ["mistral", "gemma2", *MESP_ONLY])
 def test_adapter_gguf_applies_to_the_base_gguf(case: str, tmp_path: Path) -> None:
     """llama.cpp's LoRA arithmetic on the exported tensors (base + alpha/r B A, in the file's
     own layout: Mistral's q/k rows permuted) gives the merged GGUF's tensors."""
@@ -102,7 +118,8 @@ def test_adapter_gguf_applies_to_the_base_gguf(case: str, tmp_path: Path) -> Non
             name = f"blk.{key.split('.')[4]}.{LEAVES[key.split('.')[-3]]}.weight"
             names.add(name)
             np.testing.assert_array_equal(got[f"{name}.lora_a"], a)
-    assert {n.rsplit(".", 1)[0] for n in got} == names and len(names) == 2 * 7
+    n_layers = int(SHAPES[case].get("num_hidden_layers", 2))  # type: ignore[call-overload]
+    assert {n.rsplit(".", 1)[0] for n in got} == names and len(names) == n_layers * 7
     merged = _tensors(_merge(base, tmp_path, "m.gguf"))
     save_file(  # B zeroed: the adapter merges to the base itself
         {k: np.zeros_like(v) if ".lora_B." in k else v for k, v in peft.items()},
@@ -127,12 +144,18 @@ def test_adapter_gguf_applies_to_the_base_gguf(case: str, tmp_path: Path) -> Non
             "theta 10000",
         ),
         ("gemma2", {"query_pre_attn_scalar": 24, "final_logit_softcapping": None}, "soft-caps"),
+        ("smollm3", {}, "every 4th layer"),  # hf_tiny's alternating NoPE layers
+        ("smollm3", {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}, "sliding window"),
+        ("granite", {"head_dim": 12}, "head_dim"),
     ],
 )
 def test_what_llama_cpp_cannot_express_is_refused_in_one_line(
     family: str, keys: dict, words: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    base = make_model_dir(tmp_path / "base", family)
+    shaped = ("num_hidden_layers", "no_rope_layers", "head_dim")  # change the weights too
+    base = make_model_dir(
+        tmp_path / "base", family, **{k: keys.pop(k) for k in shaped if k in keys}
+    )
     if "rope_parameters" in keys:
         keys["rope_parameters"] = {"rope_type": "default", **keys["rope_parameters"]}
     _edit_config(base, **keys)

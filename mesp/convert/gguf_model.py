@@ -57,9 +57,15 @@ ARCHS = {
     # convert_hf_to_gguf registers MistralForCausalLM under LlamaModel: arch "llama"
     "mistral": gguf.MODEL_ARCH.LLAMA,
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "granite": gguf.MODEL_ARCH.GRANITE,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
 }
-# families written with LlamaModel's q/k row permutation (llama.cpp's interleaved rope)
-PERMUTED = ("llama", "mistral")
+# families written by LlamaModel subclasses: q/k rows permuted (llama.cpp's interleaved rope),
+# vocab size and rope dimension count as keys
+PERMUTED = ("llama", "mistral", "granite", "smollm3")
+# architectures with a rope_freqs tensor (Llama 3 rope scaling) in llama.cpp
+ROPE_FREQS = ("llama", "mistral", "smollm3")
 # families whose RMSNorm scales by 1 + w, stored as 1 + w by the converter
 NORM_SHIFTED = ("gemma3", "gemma2")
 
@@ -73,6 +79,15 @@ def check_writable(cfg: ModelConfig) -> None:
             f"a Mistral with sliding_window {cfg.sliding_window} has no llama.cpp GGUF form: "
             "the converter writes it as arch llama, which attends to the whole context"
         )
+    if cfg.family == "smollm3":  # llama.cpp: every 4th layer NoPE, no window (fixed in code)
+        if cfg.rope_layers != [(i + 1) % 4 != 0 for i in range(n)]:
+            raise MespError("a SmolLM3 GGUF has NoPE on every 4th layer only (llama.cpp's step)")
+        if SLIDING in cfg.layer_types:
+            raise MespError("a SmolLM3 GGUF has no sliding window (llama.cpp's smollm3)")
+    if cfg.family == "granite" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise MespError("a Granite GGUF has no head_dim key: GraniteModel drops it (hidden/heads)")
+    if cfg.family == "olmo2" and SLIDING in cfg.layer_types:
+        raise MespError("an OLMo 2 GGUF has no sliding window")
     if cfg.family == "gemma2":
         # Gemma2Model writes no rope base, and llama.cpp fixes the scale and layer pattern
         assumed = cfg.hidden_size // cfg.num_attention_heads if n == 46 else cfg.head_dim
@@ -162,8 +177,17 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     if rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope.factor)
-    elif rope.kind == "llama3" and cfg.family not in PERMUTED:
+    elif rope.kind == "llama3" and cfg.family not in ROPE_FREQS:
         raise MespError(f"llama3 rope scaling has no GGUF form for {cfg.family}")
+    if cfg.family == "granite":  # GraniteModel: the multipliers as *_scale, each when non-zero
+        for value, add in (
+            (cfg.attention_multiplier, w.add_attention_scale),
+            (cfg.embedding_multiplier, w.add_embedding_scale),
+            (cfg.residual_multiplier, w.add_residual_scale),
+            (cfg.logits_scaling, w.add_logit_scale),
+        ):
+            if value:
+                add(value)
     if cfg.family == "gemma2":  # Gemma2Model's three keys
         assert cfg.attn_logit_softcapping and cfg.final_logit_softcapping  # check_writable
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)

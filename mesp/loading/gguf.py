@@ -28,6 +28,7 @@ from mesp.loading.gguf_hf import (
     GEMMA_LAYER,
     GLOBAL,
     LAYER,
+    OLMO_LAYER,
     REQUIRED,
     hf_config,
     llama3_rope_scaling,
@@ -72,7 +73,8 @@ class GGUFFile:
         except (TypeError, ValueError) as e:  # a key holding the wrong kind of value
             raise MespError(f"{where}: bad metadata value: {e}") from None
         self.tokenizer = tokenizer_from_gguf(meta, where)
-        layer_map = GEMMA_LAYER if arch in ("gemma3", "gemma2") else LAYER
+        maps = {"gemma3": GEMMA_LAYER, "gemma2": GEMMA_LAYER, "olmo2": OLMO_LAYER}
+        layer_map = maps.get(arch, LAYER)
         n_layers = cfg["num_hidden_layers"]
         wanted = [f"blk.{i}.{t}.weight" for i in range(n_layers) for t in REQUIRED[arch]]
         wanted += [
@@ -87,7 +89,7 @@ class GGUFFile:
                 self._by_hf[GLOBAL[name]] = name
             elif blk == "blk" and layer.isdigit() and int(layer) < n_layers and leaf in layer_map:
                 self._by_hf[f"model.layers.{layer}.{layer_map[leaf]}"] = name
-            elif name != "rope_freqs.weight" or arch != "llama":
+            elif name != "rope_freqs.weight" or arch not in ("llama", "smollm3"):
                 raise MespError(f"{where}: unexpected tensor {shown(name)} for architecture {arch}")
         self._infos, self._arch, self.config = infos, arch, cfg
         if "rope_freqs.weight" in infos:  # Llama 3 rope scaling, folded into the config

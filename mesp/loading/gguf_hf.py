@@ -18,7 +18,12 @@ ARCHS = {
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
     "gemma2": "gemma2",
+    "olmo2": "olmo2",
+    "granite": "granite",
+    "smollm3": "smollm3",
 }
+# converted by LlamaModel subclasses: q/k rows permuted for llama.cpp's interleaved rope
+PERMUTED = ("llama", "granite", "smollm3")
 GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -52,12 +57,23 @@ _CORE = [
     "ffn_norm",
 ]
 _QK_NORM = ["attn_q_norm", "attn_k_norm"]
+# OLMo 2 normalizes each branch's output instead of its input, and q/k over whole projections
+OLMO_LAYER = {
+    **{k: v for k, v in LAYER.items() if k not in ("attn_norm.weight", "ffn_norm.weight")},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 REQUIRED = {
     "llama": _CORE,
     "qwen2": _CORE,
     "qwen3": _CORE + _QK_NORM,
     "gemma3": _CORE + _QK_NORM + ["post_attention_norm", "post_ffw_norm"],
     "gemma2": _CORE + ["post_attention_norm", "post_ffw_norm"],
+    "granite": _CORE,
+    "smollm3": _CORE,
+    "olmo2": [n for n in _CORE if n not in ("attn_norm", "ffn_norm")]
+    + _QK_NORM
+    + ["post_attention_norm", "post_ffw_norm"],
 }
 NORM_SHIFTED = ("gemma3", "gemma2")
 
@@ -139,6 +155,19 @@ def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str
                 "attn_logit_softcapping": get("attn_logit_softcapping", None),
             }
         )
+    if arch == "granite":  # llama.cpp's defaults: scale 1/sqrt(head_dim), others off (1)
+        cfg.update(
+            {
+                "attention_multiplier": float(get("attention.scale", head_dim**-0.5)),
+                "embedding_multiplier": float(get("embedding_scale", 1.0)),
+                "residual_multiplier": float(get("residual_scale", 1.0)),
+                "logits_scaling": float(get("logit_scale", 1.0)),
+            }
+        )
+    if arch == "smollm3":  # llama.cpp: every 4th layer NoPE (n_no_rope_layer_step), no window
+        n = cfg["num_hidden_layers"]
+        cfg["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(n)]
+        cfg["use_sliding_window"] = False
     if arch == "gemma2":  # llama.cpp's LLM_ARCH_GEMMA2 hparams, their defaults where absent
         # sliding on even layers; scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) at 27B (46)
         del cfg["hidden_act"]
@@ -202,7 +231,7 @@ def llama3_rope_scaling(factors: np.ndarray, cfg: dict, where: str) -> dict | No
 
 def undo_converter(name: str, w: np.ndarray, arch: str, cfg: dict, where: str) -> np.ndarray:
     """Reverse llama.cpp's convert_hf_to_gguf.py edits (see module docstring)."""
-    if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+    if arch in PERMUTED and (".attn_q." in name or ".attn_k." in name):
         # LlamaModel.permute interleaves each head's rotary halves for ggml's GPT-J-style rope.
         n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
         if w.shape[0] % (2 * n):
