@@ -22,6 +22,9 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from mesp.cli import main
+from mesp.convert.gguf_model import write_model_gguf
+from mesp.convert.gguf_vocab import vocab_kvs
+from mesp.convert.merge import merged_tensors
 from mesp.loading import load_model
 from tests.test_gguf_adapter import LEAVES, _tensors
 from tests.test_gguf_export import _merge, _reference, _transformers_logits
@@ -101,7 +104,11 @@ def test_merged_gguf_in_mesp_equals_base_plus_adapter(case: str, tmp_path: Path)
         assert back.model.config.rope_layers == [True, True, True, False]
 
 
-@pytest.mark.parametrize("case", ["mistral", "gemma2", *MESP_ONLY])
+# the export's only per-family step is PERMUTED's q/k rows: Mistral and Gemma 2 cover both
+# branches in the fast suite, the other three run in the slow one
+@pytest.mark.parametrize(
+    "case", ["mistral", "gemma2", *(pytest.param(f, marks=pytest.mark.slow) for f in MESP_ONLY)]
+)
 def test_adapter_gguf_applies_to_the_base_gguf(case: str, tmp_path: Path) -> None:
     """llama.cpp's LoRA arithmetic on the exported tensors (base + alpha/r B A, in the file's
     own layout: Mistral's q/k rows permuted) gives the merged GGUF's tensors."""
@@ -166,3 +173,23 @@ def test_what_llama_cpp_cannot_express_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("mesp: error: ") and err.count("\n") == 1 and words in err, err
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("case", ["mistral", "gemma2", *MESP_ONLY])
+def test_base_gguf_in_mesp_has_the_transformers_logits(case: str, tmp_path: Path) -> None:
+    """The base alone (no adapter) written as llama.cpp's converter would, read back by mesp:
+    transformers' logits for the HF directory it came from."""
+    import transformers
+
+    family = case.removesuffix("-tf")
+    base = make_model_dir(tmp_path / "base", family, **SHAPES[case])
+    if family == "gemma2":
+        _edit_config(base, query_pre_attn_scalar=24)
+    loaded = load_model(base)
+    out = tmp_path / "base.gguf"
+    vocab = vocab_kvs(loaded, loaded.model.config.vocab_size)
+    write_model_gguf(loaded.model.config, merged_tensors(loaded.model), vocab, out, "f32", "b")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = hf(IDS).logits, load_model(out).model(IDS)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
