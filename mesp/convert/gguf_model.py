@@ -3,9 +3,11 @@ writes the same HF checkpoint.
 
 What the converter does, and so what we do (mesp/loading/gguf.py undoes each on the way in):
 - tensor names come from gguf-py's own `TensorNameMap` for the architecture (HF -> GGUF);
-- llama's q/k rows are permuted per head (`LlamaModel.permute`: ggml's rope pairs adjacent
-  dims, HF's pairs the two halves);
-- Gemma 3 norms are stored as 1 + w (`Gemma3Model.norm_shift`);
+- the q/k rows of LlamaModel's subclasses (llama, Mistral as arch llama, Granite, SmolLM3) are
+  permuted per head (`LlamaModel.permute`: ggml's rope pairs adjacent dims, HF's the halves);
+- Gemma 2 and 3 norms are stored as 1 + w (`Gemma2Model.modify_tensors`, `Gemma3Model.norm_shift`);
+- what llama.cpp fixes in code instead of reading a key (Gemma 2's rope base and scale, SmolLM3's
+  NoPE step, Mistral's missing window) must match, else the model is refused (`check_writable`);
 - Llama 3 rope scaling becomes a `rope_freqs.weight` tensor of per-frequency divisors
   (`LlamaModel.generate_extra_tensors`);
 - 1-D tensors and norms stay F32; 2-D ones take the chosen type, and a row length that the
