@@ -45,8 +45,18 @@ CASES = {  # family -> (base quantization, loss vocabulary slice: None = whole h
     "mistral": (None, None),  # the sliding-window mask on every layer (window 5 < S)
     "smollm3": (None, 64),  # a NoPE layer with the window; the head in slices
     "granite": (QuantSpec(4, 32), None),  # the four scalars (logits ÷ s before the head)
+    "olmo2": (None, 64),  # post norms, no input norm, q/k norms over the whole projection
+    "gemma2": (QuantSpec(4, 32), None),  # attention and final soft-caps, sliding/global
 }
-SLOW = {"llama", "qwen3", "gemma3", "mistral", "smollm3", "granite"}  # qwen2 runs in the fast suite
+SLOW = {"llama", "qwen3", "gemma3", "mistral", "smollm3", "granite", "olmo2", "gemma2"}  # not qwen2
+
+
+# The loss bound is 1e-6, relative for OLMo 2: the exported SiLU backward is written out
+# (mesp.ops.mlp.gated_act_backward under export: ExecuTorch has no fused kernel), an ulp or so
+# from ATen's fused one, and OLMo 2's norm on the MLP output divides the gradient by that
+# output's RMS (small at random weights), so those ulps move its 20 steps' losses by 1.5e-6 of
+# 5.4 (measured; 0.0 with the engine on the written-out form too).
+LOSS_REL = {"olmo2"}
 
 
 # The runner's working memory over the engine's, at most. The exported programs are functional:
@@ -141,7 +151,8 @@ def test_runner_trains_like_the_engine(cases, family: str) -> None:  # type: ign
     trainer, losses = runner.train(case.art, rows, runner.RunConfig(STEPS, LR))
     ref = _engine_run(case, rows, STEPS)
     # the loss program returns fp32 row losses; the runner sums them in fp64, as the engine does
-    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= 1e-6, (losses, ref)
+    tol = 1e-6 * (max(map(abs, ref)) if family in LOSS_REL else 1.0)
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= tol, (losses, ref)
     assert losses[-1] < losses[0]  # it learned something
     params = dict(case.model.named_parameters())
     for i, lora in enumerate(trainer.lora):

@@ -111,10 +111,6 @@ def _check_model(model: CausalLM) -> tuple[int, float, list[str]]:
     scales = {m.lora_scale for m in mods.values()}
     if len(ranks) != 1 or len(scales) != 1:
         raise MespError("every adapter must share one rank and scale (PEFT's r and lora_alpha)")
-    if model.spec.post_norms:  # the programs build input-normed blocks with per-head q/k norms
-        raise MespError(f"export of {model.config.family} (OLMo 2's norms) is not supported yet")
-    if model.config.attn_logit_softcapping:  # the programs' attention has no cap
-        raise MespError("export of attention logit soft-capping (Gemma 2) is not supported yet")
     targets = sorted({n.rsplit(".", 1)[-1] for n in mods})
     return ranks.pop(), scales.pop(), targets
 

@@ -11,7 +11,8 @@ to tensors:
   lora     "{linear}.lora_A" (r, in), "{linear}.lora_B" (out, r)
   ctx      "cos", "sin" (S, D) and, for sliding-window layers shorter than S, "mask" (S, S) additive
   saved    what the hand backward needs (mesp/engines/mesp.py's tape): n1 q k v o lse gate up x2
-           n2, plus q_lin k_lin (q/k norms) and a d (sandwich norms)
+           n2, plus q_lin k_lin (q/k norms) and a d (sandwich and post norms); with post norms
+           (OLMo 2) n1 is x and n2 is x2, so neither is saved (an output aliasing another)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mesp.ops.attention import attention, attention_bwd, attention_fwd
 from mesp.ops.lora_linear import lora_linear_backward
 from mesp.ops.matmul import add_product
 from mesp.ops.mlp import gated_act, gated_act_backward
-from mesp.ops.norm import rms_norm, rms_norm_backward
+from mesp.ops.norm import rms_norm, rms_norm_backward, rms_norm_heads, rms_norm_heads_backward
 from mesp.ops.rope import apply_rope, apply_rope_backward
 from mesp.quant import QuantSpec, dequantize, dequantize_core_aten
 
@@ -96,6 +97,9 @@ class BlockSpec:
     attn_tile: int | None = None
     rope: bool = True  # False: a NoPE layer (SmolLM3), q/k not rotated
     residual: float | None = None  # Granite: each residual branch × it before the add
+    post_norms: bool = False  # OLMo 2: no input norm, a norm on each branch before its add
+    qk_whole: bool = False  # OLMo 2: q/k norms over the whole projection (rms_norm_heads)
+    softcap: float | None = None  # Gemma 2: attention scores cap·tanh(s/cap), chunked path only
 
     def lin(self, name: str) -> WeightSpec:
         return dict(self.linears)[name]
@@ -123,6 +127,9 @@ class BlockSpec:
             tuple(lins),
             rope=at.rope,
             residual=block.residual,
+            post_norms=spec.post_norms,
+            qk_whole=spec.qk_norm_whole,
+            softcap=at.softcap or None,
         )
 
 
@@ -165,6 +172,19 @@ def _norm(bs: BlockSpec, x: Tensor, w: Tensors, name: str) -> Tensor:
     return rms_norm(x, w[f"{name}.weight"], bs.eps, bs.norm_offset)
 
 
+def _qk_norm(bs: BlockSpec, x: Tensor, w: Tensors, name: str) -> Tensor:
+    """Attention.qkv's q/k norm: per head, or over the whole projection (HeadsRMSNorm)."""
+    if bs.qk_whole:
+        return rms_norm_heads(x, w[f"{name}.weight"], bs.eps)
+    return _norm(bs, x, w, name)
+
+
+def _attn_kw(bs: BlockSpec) -> dict:
+    """attention_fwd/bwd's options: the query tiles (edge programs) and Gemma 2's cap."""
+    kw: dict = {} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}
+    return kw if bs.softcap is None else {**kw, "softcap": bs.softcap}
+
+
 def _branch(bs: BlockSpec, t: Tensor) -> Tensor:
     """Block.branch: a residual branch as it is added (× Granite's residual_multiplier)."""
     return t if bs.residual is None else t * bs.residual
@@ -176,28 +196,29 @@ def block_forward(
     """x (B, S, hidden) -> (B, S, hidden); with a `tape`, records the saved tensors."""
     b, s, _ = x.shape
     mask = ctx.get("mask")
-    n1 = _norm(bs, x, w, "input_layernorm")
+    n1 = x if bs.post_norms else _norm(bs, x, w, "input_layernorm")
     q = _linear(bs, "q_proj", n1, w, lora).view(b, s, bs.n_heads, bs.head_dim).transpose(1, 2)
     k = _linear(bs, "k_proj", n1, w, lora).view(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
     v = _linear(bs, "v_proj", n1, w, lora).view(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
     if bs.qk_norm:
         if tape is not None:
             tape["q_lin"], tape["k_lin"] = q, k
-        q, k = _norm(bs, q, w, "self_attn.q_norm"), _norm(bs, k, w, "self_attn.k_norm")
+        q, k = _qk_norm(bs, q, w, "self_attn.q_norm"), _qk_norm(bs, k, w, "self_attn.k_norm")
     if bs.rope:
         q, k = apply_rope(q, ctx["cos"], ctx["sin"]), apply_rope(k, ctx["cos"], ctx["sin"])
-    tiled = {} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}
+    kw = _attn_kw(bs)
     if tape is not None:
-        o, tape["lse"] = attention_fwd(q, k, v, bs.attn_scale, mask, **tiled)
+        o, tape["lse"] = attention_fwd(q, k, v, bs.attn_scale, mask, **kw)
         tape.update(q=q, k=k, v=v, o=o)
-    elif tiled:
-        o = attention_fwd(q, k, v, bs.attn_scale, mask, **tiled)[0]
+    elif bs.attn_tile is not None:
+        o = attention_fwd(q, k, v, bs.attn_scale, mask, **kw)[0]
     else:
-        o = attention(q, k, v, bs.attn_scale, mask)
+        o = attention(q, k, v, bs.attn_scale, mask, softcap=bs.softcap)
     a = _linear(bs, "o_proj", o.transpose(1, 2).reshape(b, s, bs.n_heads * bs.head_dim), w, lora)
-    if bs.sandwich:
+    post = bs.sandwich or bs.post_norms  # Gemma, OLMo 2: a norm on each branch's output
+    if post:
         x2 = x + _norm(bs, a, w, "post_attention_layernorm")
-        n2 = _norm(bs, x2, w, "pre_feedforward_layernorm")
+        n2 = _norm(bs, x2, w, "pre_feedforward_layernorm") if bs.sandwich else x2
     else:
         x2 = x + _branch(bs, a)
         n2 = _norm(bs, x2, w, "post_attention_layernorm")
@@ -205,10 +226,12 @@ def block_forward(
     if tape is not None:
         tape["gate"], tape["up"] = gate, up
     d = _linear(bs, "down_proj", gated_act(gate, up, bs.act), w, lora)
-    y = x2 + _norm(bs, d, w, "post_feedforward_layernorm") if bs.sandwich else x2 + _branch(bs, d)
+    y = x2 + _norm(bs, d, w, "post_feedforward_layernorm") if post else x2 + _branch(bs, d)
     if tape is not None:
-        tape.update(n1=n1, x2=x2, n2=n2)
-        if bs.sandwich:
+        tape["x2"] = x2
+        if not bs.post_norms:  # else n1 is x (an argument) and n2 is x2
+            tape.update(n1=n1, n2=n2)
+        if post:
             tape.update(a=a, d=d)
     return y
 
@@ -238,22 +261,27 @@ def block_backward(
     """dy (B, S, hidden) at the block output -> (dx at its input, LoRA gradients)."""
     saved, grads = dict(saved), {}
     nb = lambda g, xx, name: rms_norm_backward(g, xx, w[f"{name}.weight"], bs.eps, bs.norm_offset)  # noqa: E731
-    dd = _branch(bs, nb(dy, saved.pop("d"), "post_feedforward_layernorm") if bs.sandwich else dy)
+    post = bs.sandwich or bs.post_norms
+    dd = _branch(bs, nb(dy, saved.pop("d"), "post_feedforward_layernorm") if post else dy)
     gate, up = saved.pop("gate"), saved.pop("up")
     dm = _lin_bwd(bs, "down_proj", dd, gated_act(gate, up, bs.act), w, lora, grads)
     del dd
     dgate, dup = gated_act_backward(dm, gate, up, bs.act)
     del dm, gate, up
-    n2 = saved.pop("n2")
+    n2 = saved["x2"] if bs.post_norms else saved.pop("n2")
     dn2 = _lin_bwd(bs, "gate_proj", dgate, n2, w, lora, grads)
     del dgate
     dn2 += _lin_bwd(bs, "up_proj", dup, n2, w, lora, grads)
     del dup, n2
-    norm2 = "pre_feedforward_layernorm" if bs.sandwich else "post_attention_layernorm"
-    dx2 = dy + nb(dn2, saved.pop("x2"), norm2)
-    del dn2, dy
+    x2 = saved.pop("x2")
+    if bs.post_norms:  # n2 = x2: no pre-MLP norm
+        dx2 = dy + dn2
+    else:
+        norm2 = "pre_feedforward_layernorm" if bs.sandwich else "post_attention_layernorm"
+        dx2 = dy + nb(dn2, x2, norm2)
+    del dn2, dy, x2
 
-    da = _branch(bs, nb(dx2, saved.pop("a"), "post_attention_layernorm") if bs.sandwich else dx2)
+    da = _branch(bs, nb(dx2, saved.pop("a"), "post_attention_layernorm") if post else dx2)
     o = saved.pop("o")
     b, h, s, d = o.shape
     do = _lin_bwd(bs, "o_proj", da, o.transpose(1, 2).reshape(b, s, h * d), w, lora, grads)
@@ -267,16 +295,19 @@ def block_backward(
         saved.pop("lse"),
         bs.attn_scale,
         ctx.get("mask"),
-        **({} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}),
+        **_attn_kw(bs),
     )
     del do, o
     if bs.rope:
         dq = apply_rope_backward(dq, ctx["cos"], ctx["sin"])
         dk = apply_rope_backward(dk, ctx["cos"], ctx["sin"])
     if bs.qk_norm:
-        dq = nb(dq, saved.pop("q_lin"), "self_attn.q_norm")
-        dk = nb(dk, saved.pop("k_lin"), "self_attn.k_norm")
-    n1 = saved.pop("n1")
+        qkb = nb
+        if bs.qk_whole:  # mesp_block.norm_bwd of a HeadsRMSNorm
+            qkb = lambda g, xx, name: rms_norm_heads_backward(g, xx, w[f"{name}.weight"], bs.eps)  # noqa: E731
+        dq = qkb(dq, saved.pop("q_lin"), "self_attn.q_norm")
+        dk = qkb(dk, saved.pop("k_lin"), "self_attn.k_norm")
+    n1 = x if bs.post_norms else saved.pop("n1")
 
     def flat(g: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, H·D)
         return g.transpose(1, 2).reshape(b, s, -1)
@@ -290,7 +321,7 @@ def block_backward(
     dn1 += dk_in
     dn1 += dv_in
     del dk_in, dv_in
-    return dx2.add_(nb(dn1, x, "input_layernorm")), grads
+    return dx2.add_(dn1 if bs.post_norms else nb(dn1, x, "input_layernorm")), grads
 
 
 # ---- nn.Module wrappers: what torch.export captures ----
