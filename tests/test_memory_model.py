@@ -36,11 +36,18 @@ def small_config(family: str, **over: object) -> ModelConfig:
         num_key_value_heads=2,
         head_dim=64,
         vocab_size=4096,
-        tie_word_embeddings=family in ("qwen2", "gemma3"),
+        tie_word_embeddings=family in ("qwen2", "gemma3", "gemma2"),
         max_position_embeddings=4096,
     )
     if family == "gemma3":  # a window shorter than the longer sequence: the mask path runs
         d.update(sliding_window=128, query_pre_attn_scalar=64, sliding_window_pattern=2)
+    if family == "gemma2":  # alternating window, both soft-caps (the chunked attention runs)
+        d.update(
+            sliding_window=128,
+            query_pre_attn_scalar=64,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        )
     d.update(over)
     return ModelConfig.from_hf(d)
 
@@ -158,6 +165,40 @@ def test_predicted_peak_more_shapes(engine: str, family: str, kw: dict, monkeypa
     # native-kernel path here.
     monkeypatch.setenv("MESP_BF16_MATMUL", "native")
     check(family, engine, 256, Q4, **dict(kw))
+
+
+# OLMo 2 (post norms: its tape holds a and d, n1 is x and n2 is x2) and Gemma 2 (the chunked
+# attention's per-chunk scores under the soft-cap; the capped loss head's second logits block):
+# each engine loss-head-bound (vocabulary 4096) and block-bound (vocabulary 512, where the
+# attention backward's score blocks are the peak at 640 positions). Three run by default.
+NEW_FAST = {("mesp", "gemma2", 640), ("mezo", "gemma2", 256), ("mebp", "olmo2", 640)}
+NEW_CASES = [
+    pytest.param(
+        engine,
+        family,
+        seq,
+        {"vocab_size": 512} if seq == 640 else {},
+        id=f"{engine}-{family}-{seq}",
+        marks=() if (engine, family, seq) in NEW_FAST else pytest.mark.slow,
+    )
+    for engine in ENGINES
+    for family in ("olmo2", "gemma2")
+    for seq in (256, 640)
+]
+
+
+@pytest.mark.parametrize("engine,family,seq,over", NEW_CASES)
+def test_predicted_peak_olmo2_gemma2(engine: str, family: str, seq: int, over: dict) -> None:
+    check(family, engine, seq, None if seq == 640 else Q4, over=over, optimizer="sgd")
+
+
+def test_capped_attention_is_counted() -> None:
+    """Gemma 2's soft-capped attention never takes the flash kernels: no additive window mask,
+    but per-chunk scores, so its block backward is above the same shape's without the cap."""
+    cfg = small_config("gemma2", vocab_size=512)
+    plain = small_config("gemma2", vocab_size=512, attn_logit_softcapping=None)
+    capped, flash = (predict(c, "mesp", 640, 2)["phase:block backward"] for c in (cfg, plain))
+    assert int(capped) > int(flash)
 
 
 def test_engines_order_and_floor() -> None:

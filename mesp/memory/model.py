@@ -177,8 +177,13 @@ def predict_sizes(
     elif engine == "mebp":
         # the final norm keeps h (an fp32 copy when e < 4) and 1/rms for the head's backward
         head_saved = T * D * e + (e < s.f) * T * D * s.f + T * 4
-        # in fp32 the first norm's saved input is the checkpoint itself
-        saved = autograd_saved_block(s, grad_input=L > 1) - (e >= s.f) * T * D * s.f * (L > 1)
+        # in fp32 the first norm's saved input is the checkpoint itself; OLMo 2 has no input
+        # norm, and the n1 its q/k/v adapters keep is the checkpoint itself
+        saved = autograd_saved_block(s, grad_input=L > 1)
+        if s.post_norms:
+            saved -= bool(set(s.targets) & {"q_proj", "k_proj", "v_proj"}) * T * D * e
+        else:
+            saved -= (e >= s.f) * T * D * s.f * (L > 1)
         phases["forward"] = state + ckpt + block_forward_peak(s, tape=False)
         phases["cross-entropy"] = state + ckpt + head_saved + ce
         phases["block backward"] = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mesp.memory.sizes import Sizes
+from mesp.memory.sizes import ATTN_CHUNK, Sizes
 
 CE_ROWS, VOCAB_CHUNK = 512, 8192  # MeSPEngine's and MeZOEngine's chunked-CE defaults
 
@@ -25,6 +25,34 @@ def _linear_peak(s: Sizes, name: str) -> int:
     lora = name in s.targets
     y = s.T * out * s.e
     return max(s.proj(out, inp, then=y), (3 if lora else 2) * y)
+
+
+def _capped_fwd(s: Sizes) -> int:
+    """The chunked attention forward's transients beyond q, k, v, out and lse (soft-capped
+    attention only): the largest chunk's scores beside logsumexp's temporary of their size (or
+    the previous chunk's, alive until reassigned), the chunk's bool mask and its negation, and
+    fp32 copies of q, k, v when the compute dtype is narrower."""
+    if not s.capped:
+        return 0
+    wide = (s.e < s.f) * s.T * (s.Q + 2 * s.K) * s.f
+    return s.scores + max(s.scores, s.prev_scores) + 2 * s.chunk_mask + wide
+
+
+def _capped_bwd(s: Sizes) -> int:
+    """The chunked attention backward's transients beyond dout, q, k, v, out, lse and dq, dk, dv:
+    δ (B, H, S), then per chunk the scores (made p in place), the cap's derivative and ds (three
+    score blocks) while the previous chunk's dcap and ds are still bound (two more, of its
+    size), the masks, the expanded k or v a broadcast matmul copies, and the chunk's dout and q
+    rows flattened (copies); fp32 copies of q, k, v, dout and fp32 dk, dv accumulators when the
+    compute dtype is narrower."""
+    if not s.capped:
+        return 0
+    T, f = s.T, s.f
+    rows = 2 * s.B * min(ATTN_CHUNK, s.S) * s.Q * f
+    expand = s.B * s.Q * s.chunk_keys * f
+    wide = (s.e < f) * T * (2 * s.Q + 4 * s.K) * f
+    blocks = 3 * s.scores + 2 * s.prev_scores + 2 * s.chunk_mask
+    return s.B * s.H * s.S * f + blocks + rows + expand + wide
 
 
 def _mlp_tile(s: Sizes) -> Sizes | None:
@@ -46,11 +74,12 @@ def block_forward_peak(s: Sizes, tape: bool) -> int:
         T * D * e + _linear_peak(s, "q_proj"),
         T * D * e + T * Q * e + 2 * T * K * e + 3 * T * Q * e,  # RoPE of q beside pre-RoPE q,k,v
         T * D * e + T * (2 * Q + 2 * K) * e + 3 * T * K * e,  # RoPE of k
-        T * D * e + qk + s.window_mask,  # flash attention with a window
+        T * D * e + qk + s.window_mask + _capped_fwd(s),  # the attention call itself
         T * D * e + qk + _linear_peak(s, "o_proj"),
     )
     kept = (tape * qk + tape * qk_in) if tape else 0
-    mlp_in = 4 * T * D * e + kept  # n1, a, x2, n2
+    # n1, a, x2, n2; OLMo 2's n1 is x and its n2 is x2 (the same tensors): a, x2
+    mlp_in = (4 - 2 * s.post_norms) * T * D * e + kept
     m = _mlp_tile(s)  # tiled: the output buffer, then one tile's gate, up, ... at a time
     mlp = mlp_in + (T * D * e if m else 0)
     m = m or s
@@ -66,7 +95,9 @@ def block_forward_peak(s: Sizes, tape: bool) -> int:
 def tape_bytes(s: Sizes) -> int:
     """What mesp's recompute records for one block's hand backward (see mesp/engines/mesp.py)."""
     T, e = s.T, s.e
-    td = T * s.D * e * (3 + 2 * s.sandwich)  # n1, x2, n2 (+ a, d)
+    post = s.sandwich or s.post_norms  # a and d, the branch norms' inputs (Gemma, OLMo 2)
+    # n1, x2, n2 (+ a, d); OLMo 2's n1 is the block input x (held anyway) and its n2 is x2
+    td = T * s.D * e * (1 + 2 * (not s.post_norms) + 2 * post)
     attn = T * (2 * s.Q + 2 * s.K) * e + s.B * s.H * s.S * 4  # q, k, v, o, lse
     qk_in = s.qk_norm * T * (s.Q + s.K) * e
     return td + attn + qk_in + (0 if _mlp_tile(s) else 2 * T * s.F * e)  # + gate, up
@@ -85,14 +116,21 @@ def mesp_block_backward_peak(s: Sizes) -> int:
     m = tiled or s
     Tm = m.T
     act = base + 5 * Tm * F * e
-    dd = s.sandwich * T * D * e  # Gemma3: the gradient through the post-MLP norm
+    post = s.sandwich or s.post_norms
+    dd = post * T * D * e  # Gemma, OLMo 2: the gradient through the post-MLP norm
     down = base + dd + 3 * Tm * F * e + s.proj(D, F, then=Tm * F * e)
     up = base + 2 * Tm * F * e + Tm * D * e + s.proj(F, D, then=Tm * D * e)
     if tiled:
         up = max(up, base + Tm * F * e + _linear_peak(m, "up_proj"))
     # attention backward: da, do, dq, dk, dv (and the window mask) beside the tape
-    attn = tape_attn + T * D * e * (1 + s.sandwich) + T * (2 * s.Q + 2 * s.K) * e + s.window_mask
-    return max(block_forward_peak(s, tape=True), act, down, up, attn)
+    attn = tape_attn + T * D * e * (1 + post) + T * (2 * s.Q + 2 * s.K) * e + s.window_mask
+    # under a soft-cap the chunked pair's scores dominate it: by then the tape holds n1 (OLMo 2:
+    # x itself), q, k, v, o, lse and q/k-norm inputs, beside dx2, do, dq, dk, dv (da is freed)
+    qkvo = T * (2 * s.Q + 2 * s.K) * e
+    qk_in = s.qk_norm * T * (s.Q + s.K) * e
+    rest = (2 - s.post_norms) * T * D * e + qkvo + s.B * s.H * s.S * 4 + qk_in
+    capped = s.capped * (rest + qkvo + _capped_bwd(s))
+    return max(block_forward_peak(s, tape=True), act, down, up, attn, capped)
 
 
 def autograd_saved_block(s: Sizes, grad_input: bool) -> int:
@@ -101,8 +139,10 @@ def autograd_saved_block(s: Sizes, grad_input: bool) -> int:
     T, D, F, e, f = s.T, s.D, s.F, s.e, s.f
     tg = set(s.targets)
     out = T * (2 + 2 * s.sandwich) * 4  # each norm's 1/rms
-    out += T * D * f * (1 + 2 * s.sandwich)  # x2 (+ a, d) as the norms' fp32 inputs
-    out += grad_input * T * D * f
+    # the norms' fp32 inputs: x2 (+ a, d); OLMo 2's two norms take a and d
+    out += T * D * f * (2 if s.post_norms else 1 + 2 * s.sandwich)
+    # the first norm's input; OLMo 2 has none (the block input is saved as n1 below)
+    out += grad_input * (not s.post_norms) * T * D * f
     out += bool(tg & {"q_proj", "k_proj", "v_proj"}) * T * D * e  # n1 for dA
     out += bool(tg & {"gate_proj", "up_proj"}) * T * D * e  # n2 for dA
     out += T * (2 * s.Q + 2 * s.K) * e + s.B * s.H * s.S * 4  # q, k, v, o, lse
@@ -114,11 +154,18 @@ def autograd_saved_block(s: Sizes, grad_input: bool) -> int:
 
 def autograd_block_backward_extra(s: Sizes) -> int:
     """Transient of one block's autograd backward beyond its saved set: down's input gradient
-    from the adapter and from the (dequantized) base, then their sum; act·up is freed first."""
+    from the adapter and from the (dequantized) base, then their sum; act·up is freed first.
+    Under an attention soft-cap the chunked backward (dout, dq, dk, dv and its chunk scores)
+    can be larger."""
     T, F, e = s.T, s.F, s.e
-    return -("down_proj" in s.targets) * T * F * e + max(
+    mlp = -("down_proj" in s.targets) * T * F * e + max(
         T * F * e + s.proj(s.D, F, then=T * F * e), 3 * T * F * e
     )
+    # the attention's backward runs after the MLP's, whose saved gate, up, act(gate)
+    # (and act·up) are freed by then
+    mlp_saved = 3 * T * F * e + ("down_proj" in s.targets) * T * F * e
+    attn = s.capped * (T * (2 * s.Q + 2 * s.K) * e + _capped_bwd(s) - mlp_saved)
+    return max(mlp, attn)
 
 
 def full_ce_peak(s: Sizes) -> int:
@@ -141,7 +188,9 @@ def chunked_ce_peak(s: Sizes, grad: bool, chunk_rows: int = CE_ROWS) -> int:
     sliced = VOCAB_CHUNK < s.V
     vw = VOCAB_CHUNK if sliced else s.V
     rows = n * D * e * (1 + grad) + 2 * n * 8
-    z = c * vw * f + c * vw * e * (e < f) + grad * c * D * e
+    # a final soft-cap keeps t = tanh(z/cap) beside the capped logits: a second fp32 block
+    z = c * vw * f * (1 + s.softcap) + c * vw * e * (e < f) + grad * c * D * e
     if sliced:
         rows += 3 * n * f + grad * n * D * f  # running max / sum / target logit, fp32 dh
+        rows += grad * s.softcap * n * f  # the cap's derivative at each row's target
     return rows + s.deq(vw, D, then=z)

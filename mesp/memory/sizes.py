@@ -8,13 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from mesp.config import SLIDING, ModelConfig
+from mesp.config import FULL, SLIDING, ModelConfig
 from mesp.errors import MespError
 from mesp.models import FAMILIES
 from mesp.models.transformer import LORA_TARGETS
 from mesp.ops import native
 from mesp.ops.matmul import WEIGHT_BLOCK_BYTES
 from mesp.quant import DEQUANT_BLOCK, QuantSpec
+
+ATTN_CHUNK = 256  # query rows per chunk of the exact chunked attention (mesp.ops.attention)
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,18 @@ class Sizes:
     targets: tuple[str, ...]
     qk_norm: bool
     sandwich: bool
-    softcap: bool
+    softcap: bool  # a final logit soft-cap (Gemma 2): the loss head holds tanh(z/cap) too
+    post_norms: bool  # OLMo 2: no input / pre-MLP norm (n1 = x, n2 = x2), a norm on each branch
     tables: int  # RoPE cos/sin tables and the sliding-window mask, bytes
     window_mask: int  # the additive (S, S) mask a windowed flash-attention call builds, bytes
+    # an attention logit soft-cap (Gemma 2): every attention call runs the exact query-chunked
+    # pair (mesp.ops.attention_chunked), whose working set is per-chunk (B, H, c, keys) fp32
+    # scores and a (c, keys) bool mask, not the flash kernels' (and no additive window mask)
+    capped: bool = False
+    scores: int = 0  # bytes of the largest chunk's fp32 scores (query rows × keys it sees)
+    prev_scores: int = 0  # the chunk before it (its blocks live on into the next iteration)
+    chunk_keys: int = 0  # keys that chunk sees (the matmul's expanded copy of k or v)
+    chunk_mask: int = 0  # bytes of that chunk's bool mask
     torch_unpack: bool = True  # the pure-torch dequantizer (not mesp.ops.native's one sweep)
     blocked: bool = False  # projections dequantized block by block (fp32 on the native kernel)
 
@@ -105,6 +116,11 @@ def sizes(
     tables = 2 * len(types) * seq_len * d * e
     windowed = SLIDING in types and bool(cfg.sliding_window) and cfg.sliding_window < seq_len
     tables += windowed * seq_len * seq_len  # the bool window mask, kept for the whole step
+    capped = bool(cfg.attn_logit_softcapping)
+    chunks = _attn_chunks(seq_len, cfg.sliding_window if FULL not in types and windowed else 0)
+    i = max(range(len(chunks)), key=lambda j: chunks[j][0] * chunks[j][1]) if capped else 0
+    (rows, keys), prev = chunks[i], chunks[i - 1] if i else (0, 0)
+    score = capped * batch * cfg.num_attention_heads * f
     bad = [t for t in targets if t not in LORA_TARGETS]
     if bad:
         raise MespError(f"unknown LoRA target(s) {bad}; choose from {list(LORA_TARGETS)}")
@@ -128,9 +144,26 @@ def sizes(
         qk_norm=spec.qk_norm,
         sandwich=spec.sandwich_norms,
         softcap=bool(cfg.final_logit_softcapping),
+        post_norms=spec.post_norms,
         tables=tables,
-        window_mask=windowed * seq_len * seq_len * e,
+        window_mask=(windowed and not capped) * seq_len * seq_len * e,
+        capped=capped,
+        scores=score * rows * keys,
+        prev_scores=score * prev[0] * prev[1],
+        chunk_keys=capped * keys,
+        chunk_mask=capped * rows * keys,
     )
+
+
+def _attn_chunks(seq_len: int, window: int) -> list[tuple[int, int]]:
+    """(query rows, keys seen) of each chunk of the exact chunked attention: causal, the keys
+    up to the chunk's last query; under a window only (no global layer) from the first query's
+    window start."""
+    out = []
+    for i0 in range(0, seq_len, ATTN_CHUNK):
+        i1 = min(i0 + ATTN_CHUNK, seq_len)
+        out.append((i1 - i0, i1 - (max(0, i0 - window + 1) if window else 0)))
+    return out
 
 
 def adapter_bytes(s: Sizes) -> int:
