@@ -44,6 +44,13 @@ Peak = the largest of these moments, each the state then live plus its working s
   mezo                         T·D·e + the block forward, or hn + rows + the CE chunk without a
                                gradient; perturbing adds one z, the largest adapter tensor
 
+Two families differ in what they hold. OLMo 2 (post norms): no input or pre-MLP norm, so n1
+is the block input and n2 is x2; its tape and locals hold x2, a, d instead. Gemma 2 (soft-caps):
+every attention call is the exact query-chunked pair (no flash kernel, so no additive window
+mask): the forward holds one chunk's (B, H, ≤256, keys) fp32 scores beside the previous
+chunk's, the backward three score blocks beside the previous chunk's two (under autograd after
+the MLP's saved set is freed); the capped loss head keeps tanh(z/cap) beside each logits block.
+
 `predict` splits the peak into weights, adapter, optimizer, the gradients live then,
 checkpoints, logits (the loss head's term above, when the peak is the cross-entropy moment) and
 working (everything else: activations, temporaries, RoPE tables); they sum to `total`.
