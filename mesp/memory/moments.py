@@ -29,13 +29,16 @@ def _linear_peak(s: Sizes, name: str) -> int:
 
 def _capped_fwd(s: Sizes) -> int:
     """The chunked attention forward's transients beyond q, k, v, out and lse (soft-capped
-    attention only): the largest chunk's scores beside logsumexp's temporary of their size (or
-    the previous chunk's, alive until reassigned), the chunk's bool mask and its negation, and
-    fp32 copies of q, k, v when the compute dtype is narrower."""
+    attention only): the largest chunk's scores beside the previous chunk's (alive until
+    reassigned; logsumexp reduces without a temporary of their size), the chunk's bool mask and
+    its negation, the expanded k a broadcast matmul copies, the chunk's output rows, and fp32
+    copies of q, k, v when the compute dtype is narrower."""
     if not s.capped:
         return 0
+    rows = s.B * min(ATTN_CHUNK, s.S) * s.Q * s.f
+    expand = s.B * s.Q * s.chunk_keys * s.f
     wide = (s.e < s.f) * s.T * (s.Q + 2 * s.K) * s.f
-    return s.scores + max(s.scores, s.prev_scores) + 2 * s.chunk_mask + wide
+    return s.scores + s.prev_scores + 2 * s.chunk_mask + rows + expand + wide
 
 
 def _capped_bwd(s: Sizes) -> int:
@@ -161,9 +164,14 @@ def autograd_block_backward_extra(s: Sizes) -> int:
     mlp = -("down_proj" in s.targets) * T * F * e + max(
         T * F * e + s.proj(s.D, F, then=T * F * e), 3 * T * F * e
     )
-    # the attention's backward runs after the MLP's, whose saved gate, up, act(gate)
-    # (and act·up) are freed by then
-    mlp_saved = 3 * T * F * e + ("down_proj" in s.targets) * T * F * e
+    # the attention's backward runs after the MLP half's, whose saved tensors are freed by
+    # then: gate, up, act(gate) (and act·up), n2 and h for its adapters, the fp32 inputs of
+    # the norms on that half (x2 before the MLP; Gemma's post-MLP d; OLMo 2's d alone)
+    tg = set(s.targets)
+    mlp_t = tg & {"gate_proj", "up_proj", "down_proj"}
+    norms = 1 + (s.sandwich and not s.post_norms)
+    mlp_saved = (3 + ("down_proj" in tg)) * T * F * e + len(mlp_t) * T * s.r * e
+    mlp_saved += bool(tg & {"gate_proj", "up_proj"}) * T * s.D * e + norms * T * s.D * s.f
     attn = s.capped * (T * (2 * s.Q + 2 * s.K) * e + _capped_bwd(s) - mlp_saved)
     return max(mlp, attn)
 
