@@ -156,8 +156,19 @@ def test_predicted_peak_matches_measured(
         ("qwen3", {}),
         ("qwen2", {"over": {"vocab_size": 20000}}),  # CE in vocabulary slices
         ("llama", {"over": {"vocab_size": 512, "intermediate_size": 1536}}),  # block-bound
+        ("olmo2", {"dtype": torch.bfloat16}),
+        ("gemma2", {"dtype": torch.bfloat16, "over": {"vocab_size": 512}}),  # capped attention
     ],
-    ids=["qwen2-bf16", "gemma3-bf16-sgd", "llama-b1", "qwen3", "qwen2-v20k", "llama-wide"],
+    ids=[
+        "qwen2-bf16",
+        "gemma3-bf16-sgd",
+        "llama-b1",
+        "qwen3",
+        "qwen2-v20k",
+        "llama-wide",
+        "olmo2-bf16",
+        "gemma2-bf16-v512",
+    ],
 )
 def test_predicted_peak_more_shapes(engine: str, family: str, kw: dict, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # The model counts what a bf16 GEMM holds; on CPUs without one, the transient fp32 copies
