@@ -1,6 +1,6 @@
 """`mesp export --target executorch`: every program of a MeSP step on ExecuTorch, exact.
 
-On tiny models of all four families, 4-bit and unquantized: 20 steps through the .pte programs
+On tiny models of every family, 4-bit and unquantized: 20 steps through the .pte programs
 (the Python driver, executorch.runtime; and the native runner where it is built) give the
 in-process engine's losses and adapters, with SGD and AdamW. Beside it, one test per silent trap
 of executorch 1.5.1 (FACTS.md): addmm's added term, tanh-GELU, planned copies of the inputs, and
@@ -32,6 +32,11 @@ pytest.importorskip("executorch")
 STEPS = 20
 LR = {"sgd": T.LR, "adamw": 2e-3}
 TOL = {"sgd": 1e-5, "adamw": 1e-4}  # the issue's bounds; measured: ~3e-7 for both
+# Adapters after 20 steps. AdamW divides by √v: on an entry whose gradient stays near zero, an
+# ulp-level difference in the gradient (XNNPACK's summation order against MKL's) moves each step
+# by a visible fraction of lr (2e-3); measured up to 9.0e-6 (Gemma 2, 4-bit, down_proj.lora_A),
+# so AdamW's bound is lr/70 where SGD's stays 1e-6.
+ADAPTER_TOL = {"sgd": 1e-6, "adamw": 3e-5}
 CASES = [(f, q) for f in T.CASES for q in ("q4", "dense")]
 FAST = {("qwen2", "q4")}
 
@@ -83,7 +88,7 @@ def test_executorch_trains_like_the_engine(  # type: ignore[no-untyped-def]
     for i, lora in enumerate(trainer.lora):
         for k, p in lora.items():
             torch.testing.assert_close(
-                p, params[f"model.layers.{i}.{k}"], rtol=0, atol=TOL[opt] / 10
+                p, params[f"model.layers.{i}.{k}"], rtol=0, atol=ADAPTER_TOL[opt]
             )
 
 
