@@ -4,11 +4,13 @@ and a padded batch with a masked prompt."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 from mesp.batch import Batch
-from mesp.lora import LoraConfig, apply_lora
+from mesp.engines import make_engine
+from mesp.lora import LoraConfig, apply_lora, save_adapter
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
 from tests.hf_tiny import hf_model, mesp_from_hf
@@ -73,3 +75,39 @@ def assert_grads_match(
     for k in g_ref:
         rel = (g[k].double() - g_ref[k].double()).abs().max() / g_ref[k].double().abs().max()
         assert rel <= rel_bar, (k, rel)
+
+
+def peft_grads(hf, ad: Path, batch: Batch) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """HF + PEFT autograd of the engines' loss (mean CE over the masked-in targets)."""
+    from peft import PeftModel
+
+    peft = PeftModel.from_pretrained(hf, str(ad), is_trainable=True).train()
+    logits = peft(input_ids=batch.input_ids).logits
+    tgt = torch.where(batch.mask, batch.targets, -100)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum").div(
+        batch.n_tokens
+    ).backward()
+    out = {}
+    for n, p in peft.named_parameters():
+        if "lora_" in n:  # base_model.model.X.lora_A.default.weight -> X.lora_A
+            out[n.removeprefix("base_model.model.").replace(".default.weight", "")] = p.grad
+    return out
+
+
+def check_engine_against_hf_peft(family: str, engine: str, tmp: Path) -> None:
+    """The issue's bar (cos >= 0.999999, rel <= 1e-4): `engine`'s LoRA gradients on the
+    family's tiny HF model, against HF + PEFT autograd on the same adapter (random, nonzero)."""
+    hf = hf_model(family)
+    ours = mesp_from_hf(hf)
+    cfg = LoraConfig(rank=3, alpha=7.0)
+    apply_lora(ours, cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in ours.lora_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    save_adapter(ours, tmp / "ad", cfg)
+    batch = padded_batch()
+    ref = peft_grads(hf, tmp / "ad", batch)
+    _, got = grads_of(make_engine(engine), ours, batch)
+    assert len(ref) == 2 * 7 * 2
+    assert_grads_match(ref, got)

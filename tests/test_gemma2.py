@@ -1,6 +1,6 @@
 """Gemma 2 beyond the shared oracles (which run on it through tests/hf_tiny.py's FAMILIES):
 LoRA gradients of bp, mebp and mesp against HF + PEFT autograd directly, both soft-caps on, at a
-sequence (23) longer than the window (5); the on-device export's one-line refusal."""
+sequence (23) longer than the window (5); the on-device export."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from mesp.cli import main
 from mesp.engines import make_engine
-from mesp.lora import LoraConfig, apply_lora, save_adapter
-from tests.engine_cases import assert_grads_match, grads_of, padded_batch
-from tests.hf_tiny import hf_model, mesp_from_hf
-from tests.test_olmo2 import _peft_grads
+from tests.engine_cases import (
+    assert_grads_match,
+    check_engine_against_hf_peft,
+    grads_of,
+    padded_batch,
+)
 from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
 
@@ -23,20 +24,7 @@ from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 def test_lora_grads_equal_hf_peft_autograd(engine: str, tmp_path: Path) -> None:
     """The issue's bar (cos >= 0.999999, rel <= 1e-4) against transformers' Gemma 2 (eager
     attention: the soft-capped one)."""
-    hf = hf_model("gemma2")
-    ours = mesp_from_hf(hf)
-    cfg = LoraConfig(rank=3, alpha=7.0)
-    apply_lora(ours, cfg)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in ours.lora_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    save_adapter(ours, tmp_path / "ad", cfg)
-    batch = padded_batch()
-    ref = _peft_grads(hf, tmp_path / "ad", batch)
-    _, got = grads_of(make_engine(engine), ours, batch)
-    assert len(ref) == 2 * 7 * 2
-    assert_grads_match(ref, got)
+    check_engine_against_hf_peft("gemma2", engine, tmp_path)
 
 
 def test_info_and_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -1,7 +1,7 @@
 """OLMo 2: what is particular to it beyond the shared oracles (which run on it through
 tests/hf_tiny.py's FAMILIES): LoRA gradients of bp, mebp and mesp against HF + PEFT autograd
 directly, that both of its pieces (post-branch norms, whole-projection q/k norms) are used, and
-the on-device export's one-line refusal."""
+the on-device export."""
 
 from __future__ import annotations
 
@@ -10,51 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from mesp.batch import Batch
 from mesp.cli import main
-from mesp.engines import make_engine
-from mesp.lora import LoraConfig, apply_lora, save_adapter
-from tests.engine_cases import assert_grads_match, grads_of, padded_batch
+from tests.engine_cases import check_engine_against_hf_peft
 from tests.hf_tiny import hf_model, mesp_from_hf
 from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
-
-
-def _peft_grads(hf, ad: Path, batch: Batch) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """HF + PEFT autograd of the engines' loss (mean CE over the masked-in targets)."""
-    from peft import PeftModel
-
-    peft = PeftModel.from_pretrained(hf, str(ad), is_trainable=True).train()
-    logits = peft(input_ids=batch.input_ids).logits
-    tgt = torch.where(batch.mask, batch.targets, -100)
-    F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum").div(
-        batch.n_tokens
-    ).backward()
-    out = {}
-    for n, p in peft.named_parameters():
-        if "lora_" in n:  # base_model.model.X.lora_A.default.weight -> X.lora_A
-            out[n.removeprefix("base_model.model.").replace(".default.weight", "")] = p.grad
-    return out
 
 
 @pytest.mark.parametrize("engine", ["bp", "mebp", "mesp"])
 def test_lora_grads_equal_hf_peft_autograd(engine: str, tmp_path: Path) -> None:
     """The issue's bar (cos >= 0.999999, rel <= 1e-4) against transformers' own OLMo 2 code."""
-    hf = hf_model("olmo2")
-    ours = mesp_from_hf(hf)
-    cfg = LoraConfig(rank=3, alpha=7.0)
-    apply_lora(ours, cfg)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in ours.lora_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    save_adapter(ours, tmp_path / "ad", cfg)
-    batch = padded_batch()
-    ref = _peft_grads(hf, tmp_path / "ad", batch)
-    _, got = grads_of(make_engine(engine), ours, batch)
-    assert len(ref) == 2 * 7 * 2
-    assert_grads_match(ref, got)
+    check_engine_against_hf_peft("olmo2", engine, tmp_path)
 
 
 def test_both_pieces_are_used() -> None:
