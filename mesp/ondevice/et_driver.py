@@ -164,8 +164,11 @@ class EtTrainer:
         vocab, chunk, p = spec["vocab"], spec["chunk"], spec["head_prefix"]
         for v0 in range(0, vocab, chunk):
             v1 = min(v0 + chunk, vocab)
-            head = {f"head/{k}": t[v0:v1] for k, t in w.items() if k.startswith(p + ".")}
-            head = {k.replace(f"head/{p}.", "head/"): t for k, t in head.items()}
+            head = {
+                "head/" + k.removeprefix(p + "."): t[v0:v1]
+                for k, t in w.items()
+                if k.startswith(p + ".")
+            }
             ins = {**extra, **st, **head, "v0": torch.tensor(v0)}
             st.update(run("loss_slice" if v1 - v0 == chunk else "loss_tail", ins.__getitem__))
         return run("loss_finish", self._src(w, None, {**extra, **st}))
