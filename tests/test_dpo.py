@@ -4,6 +4,8 @@ mesp's equal bp's. Pairs are rows (2i, 2i+1) of the batch: (chosen, rejected).""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,15 +13,25 @@ import torch.nn.functional as F
 from mesp.batch import Batch
 from mesp.engines import make_engine
 from mesp.engines.loss import LossSpec
-from mesp.engines.objective import Objective, PreferenceEngine, adapters_off, pair_terms
+from mesp.engines.objective import (
+    LOSS_TYPES,
+    SMOOTHED,
+    Objective,
+    PreferenceEngine,
+    adapters_off,
+    pair_terms,
+)
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, apply_lora
 from mesp.ops.cross_entropy import CEOptions, chunked_ce_row_losses
 from tests.engine_cases import DEVICE, assert_grads_match, model_with_adapter, padded_batch
-from tests.hf_tiny import hf_model, mesp_from_hf
+from tests.hf_tiny import FAMILIES, hf_model, mesp_from_hf
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 DPO, ORPO = Objective("dpo", beta=0.7), Objective("orpo", orpo_lambda=0.6)
+# every DPO loss type; the smoothed ones with ε too
+LOSS_CASES = [Objective("dpo", 0.7, loss_type=t) for t in LOSS_TYPES] + [
+    Objective("dpo", 0.7, loss_type=t, label_smoothing=0.2) for t in SMOOTHED
+]
 
 
 def pair_batch() -> Batch:
@@ -28,22 +40,63 @@ def pair_batch() -> Batch:
 
 
 def logps(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """(B,) summed log-probs of the masked targets, from full logits (B, S, V)."""
-    lp = F.log_softmax(logits.float(), -1).gather(-1, batch.targets[..., None]).squeeze(-1)
+    """(B,) summed log-probs of the masked targets, from full logits (B, S, V), in fp64 (as the
+    engines sum them: the log-ratios of the losses cancel the sums' leading digits)."""
+    lp = F.log_softmax(logits.double(), -1).gather(-1, batch.targets[..., None]).squeeze(-1)
     return (lp * batch.mask).sum(1)
 
 
 def written_out_loss(obj: Objective, pol: torch.Tensor, ref: torch.Tensor, batch: Batch):  # type: ignore[no-untyped-def]
-    """TRL's formulas, transcribed independently of mesp.engines.objective."""
-    c, r = pol[0::2], pol[1::2]
-    if obj.kind == "dpo":
-        logits = (c - r) - (ref[0::2] - ref[1::2])
-        return -F.logsigmoid(obj.beta * logits).mean()
+    """TRL's formulas (DPOTrainer.dpo_loss, ORPOTrainer.odds_ratio_loss), transcribed
+    independently of mesp.engines.objective."""
     n = batch.mask.sum(1).float()
+    if obj.kind == "dpo":
+        if obj.loss_type == "ipo":  # concatenated_forward: all_logps / loss_mask.sum(-1)
+            pol, ref = pol / n, ref / n
+        return trl_dpo_losses(obj, pol[0::2], pol[1::2], ref[0::2], ref[1::2]).mean()
+    c, r = pol[0::2], pol[1::2]
     mc, mr = c / n[0::2], r / n[1::2]
     log_odds = (mc - mr) - (torch.log1p(-torch.exp(mc)) - torch.log1p(-torch.exp(mr)))
     nll = -c.sum() / n[0::2].sum()
     return nll - obj.orpo_lambda * F.logsigmoid(log_odds).mean()
+
+
+def trl_dpo_losses(obj: Objective, chosen, rejected, ref_chosen, ref_rejected):  # type: ignore[no-untyped-def]
+    beta, ls = obj.beta, obj.label_smoothing
+    chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
+    logits = (chosen - rejected) - (ref_chosen - ref_rejected)
+    losses = {
+        "sigmoid": lambda: (
+            -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+        ),
+        "robust": lambda: (
+            (-F.logsigmoid(beta * logits) * (1 - ls) + F.logsigmoid(-beta * logits) * ls)
+            / (1 - 2 * ls)
+        ),
+        "exo_pair": lambda: (
+            (beta * logits).sigmoid() * (F.logsigmoid(beta * logits) - math.log(1 - (ls or 1e-3)))
+            + (-beta * logits).sigmoid() * (F.logsigmoid(-beta * logits) - math.log(ls or 1e-3))
+        ),
+        "hinge": lambda: torch.relu(1 - beta * logits),
+        "ipo": lambda: (logits - 1 / (2 * beta)) ** 2,
+        "nca_pair": lambda: (
+            -F.logsigmoid(chosen_logratios * beta)
+            - 0.5 * F.logsigmoid(-chosen_logratios * beta)
+            - 0.5 * F.logsigmoid(-rejected_logratios * beta)
+        ),
+        "sppo_hard": lambda: (
+            (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+        ),
+        "apo_zero": lambda: (
+            1 - F.sigmoid(beta * chosen_logratios) + F.sigmoid(beta * rejected_logratios)
+        ),
+        "apo_down": lambda: (
+            F.sigmoid(beta * chosen_logratios)
+            + 1
+            - F.sigmoid(beta * (chosen_logratios - rejected_logratios))
+        ),
+    }
+    return losses[obj.loss_type]()
 
 
 def engine_grads(engine, model, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
@@ -128,11 +181,39 @@ def test_bp_equals_hf_peft(family: str, obj: Objective, tmp_path) -> None:  # ty
     assert_grads_match(g_hf, g_bp)
 
 
+def case_id(obj: Objective) -> str:
+    return obj.loss_type + (f"-ls{obj.label_smoothing}" if obj.label_smoothing else "")
+
+
+@pytest.mark.parametrize("obj", LOSS_CASES, ids=case_id)
+def test_loss_types_exact(obj: Objective) -> None:
+    """Each DPO loss type: bp equals the written-out TRL loss, mesp (vocabulary slices) and
+    mebp equal bp."""
+    model, batch = model_with_adapter("qwen2"), pair_batch()
+    loss_ref, g_ref = reference_grads(model, batch, obj)
+    loss_bp, g_bp = engine_grads(PreferenceEngine(make_engine("bp"), obj), model, batch)
+    assert loss_bp == pytest.approx(loss_ref, rel=1e-5)
+    assert_grads_match(g_ref, g_bp)
+    assert all(torch.count_nonzero(g) > 0 for g in g_bp.values())
+    for name, kw in (("mesp", {"chunk_rows": 7, "vocab_chunk": 64}), ("mebp", {})):
+        loss, g = engine_grads(PreferenceEngine(make_engine(name, **kw), obj), model, batch)
+        assert loss == pytest.approx(loss_bp, rel=1e-6), name
+        assert_grads_match(g_bp, g)
+
+
 def test_refusals() -> None:
     with pytest.raises(MespError, match="mezo"):
         PreferenceEngine(make_engine("mezo"), DPO)
     with pytest.raises(MespError, match="--objective"):
         Objective("kto")
+    with pytest.raises(MespError, match="--loss-type must be one of sigmoid, robust"):
+        Objective("dpo", loss_type="kto")
+    with pytest.raises(MespError, match="DPO's"):
+        Objective("orpo", loss_type="ipo")
+    with pytest.raises(MespError, match=r"\[0, 0.5\)"):
+        Objective("dpo", loss_type="robust", label_smoothing=0.5)
+    with pytest.raises(MespError, match="applies to --loss-type sigmoid, robust, exo_pair"):
+        Objective("dpo", loss_type="hinge", label_smoothing=0.1)
     model, batch = model_with_adapter("llama"), padded_batch(b=3)
     with pytest.raises(MespError, match="even"):
         PreferenceEngine(make_engine("bp"), DPO).step(model, batch, 1)

@@ -111,14 +111,14 @@ def test_train_dpo_raises_preference_accuracy(model_dir: Path, tmp_path: Path) -
     }
 
 
-@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "dpo --loss-type ipo"])
 def test_grad_objective(objective: str, model_dir: Path, tmp_path: Path) -> None:
     data = write_pairs(tmp_path / "pairs.jsonl", 4)
     outs = []
     for engine in ("bp", "mesp"):
         o = tmp_path / f"{engine}.safetensors"
         argv = ["grad", "--model", str(model_dir), "--data", str(data), "--engine", engine]
-        argv += ["--objective", objective, "--batch-size", "2", "--init-b", "0.01"]
+        argv += ["--objective", *objective.split(), "--batch-size", "2", "--init-b", "0.01"]
         assert main([*argv, "--quantize", "none", "--seq-len", "64", "--out", str(o)]) == 0
         outs.append(o)
     with safe_open(str(outs[0]), "pt") as a, safe_open(str(outs[1]), "pt") as b:
@@ -134,6 +134,11 @@ def test_refusals(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "needs --engine bp, mebp or mesp, not mezo" in err and "\n" not in err
+    hinge = ["--objective", "dpo", "--loss-type", "hinge", "--label-smoothing", "0.1"]
+    assert main(train_argv(model_dir, data, tmp_path / "o", *hinge)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--label-smoothing applies to --loss-type sigmoid" in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
     sft = train_argv(model_dir, data, tmp_path / "o", "--objective", "orpo", seq_len=64)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(data.read_text() + '{"prompt": "a", "chosen": 3, "rejected": "b"}\n')
@@ -159,6 +164,7 @@ def test_dpo_resume_is_bit_identical_and_keeps_the_objective(
     a = (whole / "adapter_model.safetensors").read_bytes()
     assert a == (part / "adapter_model.safetensors").read_bytes()
     capsys.readouterr()
-    assert main([*resume, "--objective", "orpo"]) == 2
-    err = capsys.readouterr().err
-    assert "cannot resume" in err and "objective" in err
+    for other in (["--objective", "orpo"], ["--label-smoothing", "0.1"]):
+        assert main([*resume, *other]) == 2
+        err = capsys.readouterr().err
+        assert "cannot resume" in err and "objective" in err

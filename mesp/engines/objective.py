@@ -19,8 +19,20 @@ forward runs twice (step 2 without a tape, step 4 in training); that costs one f
 exact: step 4's forward computes the same lp that the weights were derived from.
 
 Formulas are TRL's (trl/trainer/dpo_trainer.py, orpo_trainer.py):
-  DPO, loss_type "sigmoid":  logits = (π_c − π_r) − (ref_c − ref_r),  π = summed completion
-      log-probs;  loss = −logsigmoid(β·logits), mean over pairs;  rewards β(π − ref).
+  DPO:  logits = (π_c − π_r) − (ref_c − ref_r),  π = summed completion log-probs (mean ones
+      for "ipo", policy and reference alike, as TRL's concatenated_forward divides them);
+      rewards β(π − ref);  per pair, with ε the label smoothing and a/b = π_c − ref_c / π_r − ref_r,
+        sigmoid   −(1−ε)·logσ(β·logits) − ε·logσ(−β·logits)          (TRL's default)
+        robust    (−(1−ε)·logσ(β·logits) + ε·logσ(−β·logits)) / (1 − 2ε)
+        exo_pair  σ(β·logits)(logσ(β·logits) − log(1−ε)) + σ(−β·logits)(logσ(−β·logits) − log ε),
+                  ε = 1e-3 where it is 0 (as TRL sets it)
+        hinge     relu(1 − β·logits)
+        ipo       (logits − 1/(2β))²
+        nca_pair  −logσ(βa) − ½·logσ(−βa) − ½·logσ(−βb)
+        sppo_hard (a − 1/(2β))² + (b + 1/(2β))²
+        apo_zero  1 − σ(βa) + σ(βb)
+        apo_down  σ(βa) + 1 − σ(β(a − b))
+      the pair losses' mean.
   ORPO:  π = mean completion log-probs;  log_odds = (π_c − π_r) − (log1p(−e^π_c) −
       log1p(−e^π_r));  loss = NLL − λ·mean(logsigmoid(log_odds)), NLL the mean cross-entropy
       over the batch's chosen completion tokens;  rewards λ·π.
@@ -30,6 +42,7 @@ average (`batch_mean`: the training loop's normalizer is the number of micro-bat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -46,7 +59,10 @@ from mesp.models.transformer import CausalLM
 from mesp.ops.cross_entropy import CEOptions, chunked_ce_row_losses
 
 OBJECTIVES = ("sft", "dpo", "orpo")
-LOSS_TYPES = ("sigmoid",)
+LOSS_TYPES = (
+    "sigmoid", "robust", "exo_pair", "hinge", "ipo", "nca_pair", "sppo_hard", "apo_zero", "apo_down"
+)  # fmt: skip
+SMOOTHED = ("sigmoid", "robust", "exo_pair")  # the loss types --label-smoothing enters
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,7 @@ class Objective:
     beta: float = 0.1
     orpo_lambda: float = 0.1
     loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in OBJECTIVES:
@@ -64,6 +81,12 @@ class Objective:
             raise MespError(f"--loss-type must be one of {', '.join(LOSS_TYPES)}")
         if not self.beta > 0 or not self.orpo_lambda >= 0:
             raise MespError("--beta must be positive and --orpo-lambda 0 or more")
+        if self.kind != "dpo" and (self.loss_type != "sigmoid" or self.label_smoothing):
+            raise MespError("--loss-type and --label-smoothing are DPO's: needs --objective dpo")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise MespError("--label-smoothing must be in [0, 0.5)")
+        if self.label_smoothing and self.loss_type not in SMOOTHED:
+            raise MespError(f"--label-smoothing applies to --loss-type {', '.join(SMOOTHED)}")
 
     @property
     def preference(self) -> bool:
@@ -106,10 +129,11 @@ def pair_terms(
     c, r = lp[0::2], lp[1::2]
     if obj.kind == "dpo":
         assert ref is not None
-        logits = (c - r) - (ref[0::2] - ref[1::2])
-        losses = -F.logsigmoid(obj.beta * logits)  # TRL loss_type "sigmoid", label_smoothing 0
-        loss = losses.mean()
-        rc, rr = obj.beta * (c - ref[0::2]), obj.beta * (r - ref[1::2])
+        if obj.loss_type == "ipo":  # mean log-probs, the reference's too
+            c, r, ref = c / n_tok[0::2], r / n_tok[1::2], ref / n_tok
+        a, b = c - ref[0::2], r - ref[1::2]
+        loss = dpo_pair_losses(obj, a, b).mean()
+        rc, rr = obj.beta * a, obj.beta * b
     else:  # orpo
         nc, nr = n_tok[0::2], n_tok[1::2]
         mc, mr = c / nc, r / nr  # mean log-probs (TRL: average_log_prob=True)
@@ -118,8 +142,37 @@ def pair_terms(
         nll = -c.sum() / nc.sum()  # CrossEntropyLoss over every chosen completion token
         loss = nll - obj.orpo_lambda * ratio.mean()
         rc, rr = obj.orpo_lambda * mc, obj.orpo_lambda * mr
-    stats = {"chosen": rc.detach(), "rejected": rr.detach(), "nll": -c.detach(), "n": n_tok[0::2]}
+    nll = -lp[0::2].detach()  # summed: the chosen completions' NLL whatever the loss type
+    stats = {"chosen": rc.detach(), "rejected": rr.detach(), "nll": nll, "n": n_tok[0::2]}
     return loss, stats
+
+
+def dpo_pair_losses(obj: Objective, a: Tensor, b: Tensor) -> Tensor:
+    """(P,) DPO pair losses of the chosen / rejected log-ratios a = π_c − ref_c, b = π_r − ref_r
+    (TRL's DPOTrainer.dpo_loss; the table in the module docstring)."""
+    beta, eps, t = obj.beta, obj.label_smoothing, obj.loss_type
+    z = beta * (a - b)  # β·logits
+    if t == "sigmoid":
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    if t == "robust":
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    if t == "exo_pair":
+        eps = eps or 1e-3
+        pos = torch.sigmoid(z) * (F.logsigmoid(z) - math.log(1 - eps))
+        return pos + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps))
+    if t == "hinge":
+        return torch.relu(1 - z)
+    if t == "ipo":
+        return (a - b - 1 / (2 * beta)) ** 2
+    if t == "nca_pair":
+        ca, cb = beta * a, beta * b
+        return -F.logsigmoid(ca) - 0.5 * F.logsigmoid(-ca) - 0.5 * F.logsigmoid(-cb)
+    if t == "sppo_hard":
+        return (a - 0.5 / beta) ** 2 + (b + 0.5 / beta) ** 2
+    if t == "apo_zero":
+        return 1 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b)
+    assert t == "apo_down", t
+    return torch.sigmoid(beta * a) + 1 - torch.sigmoid(z)
 
 
 def check_pairs(batch: Batch) -> Tensor:

@@ -88,7 +88,18 @@ class EngineOptions:
     orpo_lambda: float = field(default=0.1, metadata={"help": "orpo: λ, the odds-ratio weight"})
     loss_type: str = field(
         default="sigmoid",
-        metadata={"help": "dpo: the pair loss (TRL's default, sigmoid)", "choices": LOSS_TYPES},
+        metadata={
+            "help": "dpo: the pair loss, TRL's formulas (sigmoid, TRL's default; ipo on mean "
+            "log-probs)",
+            "choices": LOSS_TYPES,
+        },
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "dpo: ε, the chance a pair's labels are flipped (sigmoid, robust, "
+            "exo_pair; conservative DPO)"
+        },
     )
 
 
@@ -103,7 +114,7 @@ def engine_kwargs(
     cannot honour, and a spill directory it could not write, before any work is done.
     keep_tapes: mesp's budget-aware recompute, from the planner (not a flag: --max-memory)."""
     kw: dict[str, Any] = {"loss": LossSpec(o.loss, o.vocab_subset, o.logits_masking, seed=seed)}
-    objective = Objective(o.objective, o.beta, o.orpo_lambda, o.loss_type)
+    objective = Objective(o.objective, o.beta, o.orpo_lambda, o.loss_type, o.label_smoothing)
     if objective.preference:  # (only then: an SFT run's fingerprint stays what it was)
         if o.engine == "mezo":
             raise MespError(f"--objective {o.objective} needs --engine bp, mebp or mesp, not mezo")

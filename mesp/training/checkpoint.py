@@ -153,6 +153,17 @@ def _recorded(fields: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if not (k in later and v == later[k])}
 
 
+# Objective fields added after runs were saved: recorded only where they are not their
+# default, so those runs resume (their fingerprints lack them)
+LATER_OBJECTIVE_FIELDS = {"label_smoothing": 0.0}
+
+
+def _engine_kwarg(k: str, v: Any) -> Any:
+    if not is_dataclass(v) or isinstance(v, type):
+        return v
+    return _recorded(asdict(v), LATER_OBJECTIVE_FIELDS) if k == "objective" else asdict(v)
+
+
 def fingerprint(
     loaded: Any,
     opts: Any,
@@ -177,7 +188,7 @@ def fingerprint(
         "group_size": opts.group_size,
         "dtype": opts.dtype,
         "engine": engine,
-        **{k: asdict(v) if is_dataclass(v) else v for k, v in engine_kwargs.items()},
+        **{k: _engine_kwarg(k, v) for k, v in engine_kwargs.items()},
         "data": _recorded(asdict(data), LATER_DATA_FIELDS),
         "lora": asdict(lora),
         "train": {k: v for k, v in asdict(train).items() if k not in skip},
