@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from mesp.cli import main
 from mesp.engines import make_engine
@@ -90,10 +91,40 @@ def test_train_with_ref_cache_gives_the_same_adapter(
     resume = ["train", "--resume", str(cached), "--steps", "8", "--no-progress"]
     assert main([*resume, "--ref-cache", str(cache)]) == 0
     keys = [json.loads(x)["k"] for x in (cache / FILE).read_text().splitlines()]
-    assert 12 <= len(keys) == len(set(keys)) <= 24  # 12 pairs' rows, a row repeated kept once
+    # 12 training pairs' rows and the scored validation batch's 2 pairs (validation reads the
+    # cache too), a row repeated kept once
+    assert 16 <= len(keys) == len(set(keys)) <= 28
     a = (plain / "adapter_model.safetensors").read_bytes()
     assert a == (cached / "adapter_model.safetensors").read_bytes()
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (plain, cached)]
+    valid = [{k: v for k, v in s.items() if k.startswith("valid_")} for s in summaries]
+    assert valid[0] == valid[1] and "valid_accuracy_after" in valid[0]
     capsys.readouterr()
     orpo = train_argv(model_dir, data, tmp_path / "o", "--objective", "orpo", steps=1, **flags)
     assert main([*orpo, "--ref-cache", str(cache)]) == 2
     assert "needs --objective dpo" in capsys.readouterr().err
+
+
+def test_grad_with_ref_cache(
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    """mesp grad --ref-cache writes the batch's reference rows, then reads them (checked
+    against the model): the same gradient bits as without the cache, both times."""
+    data, cache = write_pairs(tmp_path / "pairs.jsonl", 4), tmp_path / "refs"
+    base = ["grad", "--model", str(model_dir), "--data", str(data), "--objective", "dpo"]
+    base += ["--batch-size", "2", "--init-b", "0.01", "--quantize", "none", "--seq-len", "64"]
+    outs = [tmp_path / f"{i}.safetensors" for i in range(3)]
+    assert main([*base, "--out", str(outs[0])]) == 0
+    for o in outs[1:]:
+        assert main([*base, "--ref-cache", str(cache), "--out", str(o)]) == 0
+        assert len((cache / FILE).read_text().splitlines()) == 4
+    first, *rest = [_grads(o) for o in outs]  # (safetensors orders metadata as it likes)
+    for meta, grads in rest:
+        assert meta == first[0] and grads.keys() == first[1].keys()
+        assert all(torch.equal(grads[k], first[1][k]) for k in grads)
+
+
+def _grads(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    with safe_open(str(path), "pt") as f:
+        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}

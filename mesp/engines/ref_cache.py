@@ -94,4 +94,14 @@ class RefCache:
             f.flush()
 
 
-__all__ = ["RefCache", "row_keys"]
+def attach_ref_cache(engine: object, root: str | None, objective: str) -> None:
+    """`--ref-cache DIR` on a preference engine (mesp train, mesp grad): not an engine option,
+    so cached values leave a run's resume fingerprint alone."""
+    if not root:
+        return
+    if objective != "dpo":
+        raise MespError("--ref-cache keeps DPO's reference log-probs: needs --objective dpo")
+    engine.ref_cache = RefCache(Path(root))  # type: ignore[attr-defined]
+
+
+__all__ = ["RefCache", "attach_ref_cache", "row_keys"]

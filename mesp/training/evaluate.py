@@ -14,11 +14,12 @@ from mesp.data.batches import iter_eval_batches
 from mesp.data.preference import Pair, iter_pair_batches
 from mesp.engines.objective import (
     Objective,
-    adapters_off,
     check_pairs,
     pair_terms,
+    reference_logps,
     sequence_logps,
 )
+from mesp.engines.ref_cache import RefCache
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_with_adapter
 from mesp.models.transformer import CausalLM
@@ -46,15 +47,19 @@ def evaluate(
     max_batches: int = 0,
     dp: DataParallel | None = None,
     objective: Objective | None = None,
+    ref_cache: RefCache | None = None,
 ) -> dict[str, float]:
     """Mean token loss and perplexity; the loss never forms full logits (chunked CE). With
     `dp`, every rank scores its share of the batches and the sums are all-reduced (all ranks
     must call it): no rank waits out the others' evaluation in a collective. A preference
-    `objective` scores pairs instead (`evaluate_pairs`)."""
+    `objective` scores pairs instead (`evaluate_pairs`; DPO's reference from `ref_cache`
+    where it holds the rows)."""
     if objective is not None and objective.preference:
         if dp is not None:
             raise MespError("preference objectives run in one process (no --nproc)")
-        return evaluate_pairs(model, examples, batch_size, pad_id, objective, max_batches)  # type: ignore[arg-type]
+        return evaluate_pairs(
+            model, examples, batch_size, pad_id, objective, max_batches, ref_cache
+        )  # type: ignore[arg-type]
     total, n = 0.0, 0
     dev = model.device
     for i, batch in enumerate(iter_eval_batches(examples, batch_size, pad_id=pad_id)):
@@ -91,6 +96,7 @@ def evaluate_pairs(
     pad_id: int,
     objective: Objective,
     max_batches: int = 0,
+    ref_cache: RefCache | None = None,
 ) -> dict[str, float]:
     """The objective's loss over all scored pairs (as one batch: the pairs' mean, ORPO's NLL
     over all chosen tokens), the preference accuracy (the chosen reward above the rejected),
@@ -104,8 +110,7 @@ def evaluate_pairs(
         batch = batch.to(dev)
         ns.append(check_pairs(batch))
         if objective.kind == "dpo":
-            with adapters_off(model):
-                refs.append(sequence_logps(model, batch))
+            refs.append(reference_logps(model, batch, None, ref_cache))
         lps.append(sequence_logps(model, batch))
     if not lps:
         raise MespError("validation set has no pairs")

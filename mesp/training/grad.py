@@ -16,6 +16,7 @@ from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.data.preference import collate_pairs, load_pair_splits
 from mesp.engines import make_engine
 from mesp.engines.options import EngineOptions, engine_kwargs
+from mesp.engines.ref_cache import attach_ref_cache
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_with_adapter
 from mesp.lora import LoraConfig, adapter_state, apply_lora, check_output_dir
@@ -38,6 +39,14 @@ class GradOptions:
     )
     batch_size: int = field(default=1, metadata={"help": "sequences in the batch"})
     seed: int = field(default=0, metadata={"help": "seed for the fresh adapter and data order"})
+    ref_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "dpo: read (or write) the reference log-probs per row in DIR, as mesp "
+            "train --ref-cache keeps them (checked against the model)",
+            "metavar": "DIR",
+        },
+    )
 
 
 def grad(
@@ -60,6 +69,7 @@ def grad(
     data, _ = data.for_scoring()
     check_output_dir(out.parent)  # fail before the work, not after
     engine = make_engine(eng.engine, **engine_kwargs(eng, opts.quantize, g.seed))
+    attach_ref_cache(engine, g.ref_cache, eng.objective)
     loaded = open_with_adapter(opts, g.adapter)
     model, tok = loaded.model, loaded.tokenizer  # pre-tokenized rows need none
     data.check_positions(model.config.max_position_embeddings)

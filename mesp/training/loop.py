@@ -109,7 +109,16 @@ def train(
         if not valid_examples:  # --valid-fraction 0 and no valid.jsonl
             return
         model.eval()
-        v = evaluate(model, valid_examples, cfg.batch_size, pad_id, cfg.eval_batches, dp, objective)
+        v = evaluate(
+            model,
+            valid_examples,
+            cfg.batch_size,
+            pad_id,
+            cfg.eval_batches,
+            dp,
+            objective,
+            getattr(engine, "ref_cache", None),  # DPO's cached reference: valid rows too
+        )
         better = best.record(st, step, v["loss"])  # on every rank: all stop at one step
         if not main:
             return

@@ -15,6 +15,7 @@ from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.data.preference import load_pair_splits
 from mesp.engines import make_engine
 from mesp.engines.options import EngineOptions, engine_kwargs
+from mesp.engines.ref_cache import attach_ref_cache
 from mesp.errors import MespError
 from mesp.loading.build import held
 from mesp.loading.session import ModelOptions, open_model
@@ -150,12 +151,7 @@ def run(job: TrainJob) -> int:
     engine = make_engine(
         job.engine.engine, **engine_kwargs(job.engine, job.model.quantize, seed, wd, tapes)
     )
-    if job.run.ref_cache:  # not an engine option: cached values leave the fingerprint alone
-        if obj != "dpo":
-            raise MespError("--ref-cache keeps DPO's reference log-probs: needs --objective dpo")
-        from mesp.engines.ref_cache import RefCache
-
-        engine.ref_cache = RefCache(Path(job.run.ref_cache))  # type: ignore[attr-defined]
+    attach_ref_cache(engine, job.run.ref_cache, obj)
     dp = from_env(job.run.dist_timeout, job.model.device)
     main = dp is None or dp.is_main
     say = print if main else (lambda *a, **k: None)
@@ -190,7 +186,14 @@ def run(job: TrainJob) -> int:
         cfg = job.train
         if splits["valid"] and not reuse:  # every rank scores its share
             before = evaluate(
-                model, splits["valid"], cfg.batch_size, pad, cfg.eval_batches, dp, objective
+                model,
+                splits["valid"],
+                cfg.batch_size,
+                pad,
+                cfg.eval_batches,
+                dp,
+                objective,
+                getattr(engine, "ref_cache", None),
             )
         if main:
             flags = {**job.flags(), "nproc": dp.world if dp is not None else 1}
