@@ -168,3 +168,39 @@ def test_dpo_resume_is_bit_identical_and_keeps_the_objective(
         assert main([*resume, *other]) == 2
         err = capsys.readouterr().err
         assert "cannot resume" in err and "objective" in err
+
+
+def test_dpo_run_logs_to_tensorboard_and_writes_a_peft_adapter(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The preference metrics reach TensorBoard under valid/ with log.jsonl's numbers, and the
+    adapter is a plain PEFT adapter: PEFT loads it onto the HF model and gives mesp's logits."""
+    import torch
+    from peft import PeftModel
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM
+
+    from mesp.loading.session import ModelOptions, open_with_adapter
+
+    data, out, tb = write_pairs(tmp_path / "pairs.jsonl", 12), tmp_path / "ad", tmp_path / "tb"
+    flags = dict(batch_size=2, lr="1e-2", rank=2, eval_every=2, warmup=0, seq_len=48, steps=2)
+    argv = train_argv(model_dir, data, out, "--objective", "dpo", "--quantize", "none", **flags)
+    assert main([*argv, "--valid-fraction", "0.25", "--tensorboard", str(tb)]) == 0
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    (valid,) = [r for r in rows if "valid_accuracy" in r]
+    for key in ("accuracy", "margin", "loss"):
+        (event,) = acc.Scalars(f"valid/{key}")
+        assert event.step == 2 and event.value == pytest.approx(valid[f"valid_{key}"], rel=1e-6)
+
+    ids = torch.tensor([[5, 9, 17, 33, 2, 41, 7, 12]])
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    peft = PeftModel.from_pretrained(hf, str(out)).eval()
+    ours = open_with_adapter(ModelOptions(model=str(model_dir), quantize="none"), str(out)).model
+    with torch.no_grad():
+        want, got = peft(ids).logits, ours(ids)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), peft.disable_adapter():
+        base = peft(ids).logits
+    assert not torch.allclose(base, want, atol=1e-6)  # the adapter was trained: it moves them
