@@ -25,6 +25,7 @@ MODEL_TYPES = {
     "granite": "granite",
     "olmo2": "olmo2",
     "gemma2": "gemma2",
+    "phi3": "phi3",
 }
 # rope_theta when config.json names none (transformers' default_theta per family)
 DEFAULT_THETA = {"gemma3": 1_000_000.0, "smollm3": 2_000_000.0}
@@ -40,11 +41,18 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 @dataclass
 class RopeSpec:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Phi-4-mini: only the first int(head_dim·factor) dims of a head rotate
+    partial_rotary_factor: float = 1.0
+    # LongRoPE (Phi-3): per-frequency divisors, long ones past original_max_position_embeddings,
+    # and the factor cos/sin are multiplied by (resolved from factor when config.json has none)
+    short_factor: list[float] = field(default_factory=list)
+    long_factor: list[float] = field(default_factory=list)
+    attention_factor: float = 1.0
 
 
 @dataclass
@@ -193,6 +201,11 @@ class ModelConfig:
             d.pop("layer_types")
         if self.family == "granite":
             d.update({k: getattr(self, k) for k in GRANITE_KEYS})
+        if self.family == "phi3":  # Phi3Config reads these two outside rope_parameters
+            r = self.rope[FULL]
+            d["partial_rotary_factor"] = r.partial_rotary_factor
+            if r.kind == "longrope":  # transformers prefers the top-level key to the nested one
+                d["original_max_position_embeddings"] = r.original_max_position_embeddings
         if self.family != "gemma2":  # the one family whose config has the key
             d.pop("attn_logit_softcapping")
         elif float(d["query_pre_attn_scalar"]).is_integer():  # Gemma2Config takes an int only
@@ -208,6 +221,15 @@ class ModelConfig:
                     high_freq_factor=r.high_freq_factor,
                     original_max_position_embeddings=r.original_max_position_embeddings,
                 )
+            if r.kind == "longrope":  # the resolved attention factor: no default to re-derive
+                out.update(
+                    short_factor=list(r.short_factor),
+                    long_factor=list(r.long_factor),
+                    attention_factor=r.attention_factor,
+                    original_max_position_embeddings=r.original_max_position_embeddings,
+                )
+            if r.partial_rotary_factor != 1.0:
+                out["partial_rotary_factor"] = r.partial_rotary_factor
             return out
 
         if self.family == "gemma3":
@@ -243,6 +265,15 @@ def _new_families(d: dict[str, Any], family: str, n_layers: int, source: str) ->
         if d.get("attention_bias"):  # OLMo 2's o_proj then has a bias too, which we do not build
             raise MespError(f"{source}: attention_bias is not supported for OLMo 2")
         return {"rms_norm_eps": float(d.get("rms_norm_eps", 1e-5))}  # transformers' default
+    if family == "phi3":  # a window on every layer when config.json names one (Phi3Model's mask)
+        win = d.get("sliding_window")
+        if d.get("hidden_act", "silu") != "silu":
+            raise MespError(f"{source}: hidden_act {d['hidden_act']!r} is not supported for phi3")
+        return {
+            "sliding_window": win,
+            "layer_types": [SLIDING if win else FULL] * n_layers,
+            "rms_norm_eps": float(d.get("rms_norm_eps", 1e-5)),  # transformers' default
+        }
     if family == "gemma2":  # absent keys: transformers' Gemma2Config defaults
         if d.get("use_bidirectional_attention"):
             raise MespError(f"{source}: use_bidirectional_attention is not supported")
@@ -273,11 +304,51 @@ def _rope_spec(p: dict[str, Any] | None, theta: float) -> RopeSpec:
     )
 
 
+def _phi3_rope(d: dict[str, Any], p: dict[str, Any] | None, theta: float) -> RopeSpec:
+    """Phi3Config's reading: partial_rotary_factor nested or top level; rope type su / yarn
+    mean longrope; the top-level original_max_position_embeddings (default 4096) wins over
+    the nested one; absent factor = max_position / original, absent attention_factor =
+    sqrt(1 + ln(factor) / ln(original)) when factor > 1 (transformers' longrope init)."""
+    p = dict(p or {})
+    kind = p.get("rope_type", p.get("type", "default"))
+    kind = "longrope" if kind in ("su", "yarn") else kind
+    partial = float(p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if kind == "default":
+        return RopeSpec(theta=float(p.get("rope_theta", theta)), partial_rotary_factor=partial)
+    if kind != "longrope":
+        raise MespError(f"rope type {kind!r} is not supported for phi3 (default, longrope)")
+    omp = int(d.get("original_max_position_embeddings", 4096))
+    factor = p.get("factor") or int(d.get("max_position_embeddings", 4096)) / omp
+    att = p.get("attention_factor")
+    if att is None:
+        att = math.sqrt(1 + math.log(factor) / math.log(omp)) if factor > 1.0 else 1.0
+    try:
+        short, long = [float(x) for x in p["short_factor"]], [float(x) for x in p["long_factor"]]
+    except (KeyError, TypeError, ValueError):
+        raise MespError("longrope needs short_factor and long_factor lists of numbers") from None
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    n = len(range(0, int(head_dim * partial), 2))  # one factor per rotated frequency
+    if len(short) != n or len(long) != n:
+        raise MespError(f"longrope short_factor / long_factor need {n} entries each")
+    return RopeSpec(
+        theta=float(p.get("rope_theta", theta)),
+        kind=kind,
+        factor=float(factor),
+        original_max_position_embeddings=omp,
+        partial_rotary_factor=partial,
+        short_factor=short,
+        long_factor=long,
+        attention_factor=float(att),
+    )
+
+
 def _rope_from_hf(d: dict[str, Any], family: str) -> dict[str, RopeSpec]:
     """Accept both the legacy keys (rope_theta, rope_scaling, rope_local_base_freq) and
     transformers 5's rope_parameters (nested per layer type for Gemma3)."""
     params = d.get("rope_parameters") or d.get("rope_scaling")
     theta = float(d.get("rope_theta", DEFAULT_THETA.get(family, 10_000.0)))
+    if family == "phi3":
+        return {FULL: _phi3_rope(d, params, theta)}
     if family != "gemma3":
         return {FULL: _rope_spec(params, theta)}
     if params and FULL in params:

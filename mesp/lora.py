@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from mesp.atomic_io import atomic_write
 from mesp.errors import MespError
 from mesp.models.linear import Linear
-from mesp.models.transformer import LORA_TARGETS, CausalLM
+from mesp.models.transformer import FUSED_TARGETS, LORA_TARGETS, CausalLM, is_target
 
 PEFT_PREFIX = "base_model.model."
 
@@ -41,7 +41,7 @@ class LoraConfig:
             raise MespError(f"--rank must be a positive integer, got {self.rank}")
         if self.scale is not None and self.alpha is not None:
             raise MespError("give either --scale or --alpha, not both")
-        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        bad = [t for t in self.targets if t not in LORA_TARGETS and t not in FUSED_TARGETS]
         if bad:
             raise MespError(f"unknown LoRA target(s) {bad}; choose from {list(LORA_TARGETS)}")
 
@@ -75,7 +75,7 @@ def _target_linears(model: CausalLM, targets: tuple[str, ...]) -> dict[str, Any]
     return {
         n: m
         for n, m in model.named_modules()
-        if isinstance(m, Linear) and n.rsplit(".", 1)[-1] in targets
+        if isinstance(m, Linear) and is_target(n.rsplit(".", 1)[-1], targets)
     }
 
 

@@ -13,7 +13,7 @@ from mesp.engines import make_engine
 from mesp.lora import LoraConfig, apply_lora, save_adapter
 from mesp.models.transformer import CausalLM
 from mesp.quant import QuantSpec
-from tests.hf_tiny import hf_model, mesp_from_hf
+from tests.hf_tiny import hf_model, mesp_from_hf, n_lora
 
 # Where the engine tests run: cpu here; scripts/gpu-check sets cuda (models and batches move
 # there after they are built on the CPU, so the numbers are the same ones).
@@ -109,5 +109,5 @@ def check_engine_against_hf_peft(family: str, engine: str, tmp: Path) -> None:
     batch = padded_batch()
     ref = peft_grads(hf, tmp / "ad", batch)
     _, got = grads_of(make_engine(engine), ours, batch)
-    assert len(ref) == 2 * 7 * 2
+    assert len(ref) == 2 * n_lora(family) * 2
     assert_grads_match(ref, got)

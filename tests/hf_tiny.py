@@ -22,8 +22,9 @@ FAMILIES = (
     "granite",
     "olmo2",
     "gemma2",
+    "phi3",
 )
-LATER = ("mistral", "smollm3", "granite", "olmo2", "gemma2")  # issue 29's: slow-suite cases
+LATER = ("mistral", "smollm3", "granite", "olmo2", "gemma2", "phi3")  # issue 29's: slow-suite cases
 
 BASE = dict(
     vocab_size=211,
@@ -36,6 +37,28 @@ BASE = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
 )
+
+
+def lora_names(family: str, names: list[str]) -> list[str]:
+    """PEFT target names as they exist on the family's HF model: Phi-3 fuses q/k/v and gate/up
+    (mesp.models.transformer.FUSED_TARGETS), so a part stands for its fused linear there."""
+    if family != "phi3":
+        return names
+    from mesp.models.transformer import FUSED_TARGETS
+
+    fused = {p: f for f, parts in FUSED_TARGETS.items() for p in parts}
+    return sorted({fused.get(n, n) for n in names})
+
+
+def n_lora(family: str) -> int:
+    """LoRA linears per layer under the default targets: 7, Phi-3's fused 4."""
+    return 4 if family == "phi3" else 7
+
+
+def n_patched(family: str) -> int:
+    """Modules mesp.patch changes per layer: the LoRA linears and the MLP, which becomes one
+    FusedLoRAMLP; Phi-3's MLP (one fused gate_up_proj) stays transformers' own."""
+    return n_lora(family) + (family != "phi3")
 
 
 def hf_config(family: str, **over):  # type: ignore[no-untyped-def]
@@ -80,6 +103,8 @@ def hf_config(family: str, **over):  # type: ignore[no-untyped-def]
         specials = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # in the tiny vocab
         rope = {"rope_type": "default", "rope_theta": 4000.0}
         return tf.Olmo2Config(tie_word_embeddings=False, rope_parameters=rope, **specials, **kw)
+    if family == "phi3":  # Phi-4-mini's shape in small: partial rotary, LongRoPE, a window
+        return tf.Phi3Config(**{**phi3_extras(kw), **kw})
     kw.setdefault("sliding_window", 5)
     if family == "gemma2":  # caps near the tiny model's score / logit sizes, so tanh bends;
         # layer_types: transformers' own default alternation (sliding, full, sliding, ...)
@@ -100,6 +125,32 @@ def hf_config(family: str, **over):  # type: ignore[no-untyped-def]
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
         },
         **kw,
+    )
+
+
+def phi3_extras(kw: dict, original: int = 16) -> dict:  # type: ignore[type-arg]
+    """Phi-3's pieces at tiny size: 3/4 of each head rotates (Phi-4-mini's factor), LongRoPE
+    with distinct short and long factors (the long ones past `original` positions, which test
+    sequences pass) and the attention factor from max_position / original, a window of 5.
+    Phi3Config checks the factor lists against hidden / heads but its rope init sizes them by
+    head_dim: where the two differ transformers builds no LongRoPE, so the rope is plain."""
+    head_dim = kw["head_dim"]
+    n = len(range(0, int(head_dim * 0.75), 2))
+    rope: dict = {"rope_type": "default", "rope_theta": 7000.0, "partial_rotary_factor": 0.75}  # type: ignore[type-arg]
+    if head_dim == kw["hidden_size"] // kw["num_attention_heads"]:
+        rope.update(
+            rope_type="longrope",
+            short_factor=[1.0 + 0.1 * i for i in range(n)],
+            long_factor=[1.5 + 0.7 * i for i in range(n)],
+        )
+    specials = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # in the tiny vocab
+    return dict(
+        tie_word_embeddings=False,
+        rope_parameters=rope,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=original,
+        sliding_window=5,
+        **specials,
     )
 
 

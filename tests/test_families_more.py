@@ -21,7 +21,7 @@ from mesp.models.transformer import KVCache
 from tests.hf_tiny import BASE, hf_model, mesp_from_hf
 from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
-NEW = ("mistral", "smollm3", "granite", "olmo2", "gemma2")
+NEW = ("mistral", "smollm3", "granite", "olmo2", "gemma2", "phi3")
 IDS = torch.randint(0, 211, (2, 19), generator=torch.Generator().manual_seed(1))  # 19 > window 5
 
 
@@ -55,6 +55,8 @@ def test_logits_within_1e6_of_transformers(family: str) -> None:
         ),
         ("gemma2", {"attn_logit_softcapping": None}),
         ("gemma2", {"final_logit_softcapping": None}),
+        ("phi3", {"sliding_window": None}),
+        ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 7000.0}}),
     ],
 )
 def test_the_new_piece_changes_the_output(family: str, plain: dict) -> None:  # type: ignore[type-arg]

@@ -9,7 +9,7 @@ import torch
 
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
-from tests.hf_tiny import FAMILIES, hf_model, mesp_from_hf
+from tests.hf_tiny import FAMILIES, hf_model, lora_names, mesp_from_hf
 
 IDS = torch.randint(0, 211, (2, 13), generator=torch.Generator().manual_seed(3))
 
@@ -43,14 +43,13 @@ def test_peft_adapter_loads_in_mesp(family: str, tmp_path: Path) -> None:
 
     hf = hf_model(family)
     base = mesp_from_hf(hf)
-    peft = get_peft_model(
-        hf, PeftConfig(r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj"])
-    )
+    targets = lora_names(family, ["q_proj", "v_proj", "down_proj"])  # Phi-3: qkv_proj
+    peft = get_peft_model(hf, PeftConfig(r=4, lora_alpha=12, target_modules=targets))
     _randomize([p for n, p in peft.named_parameters() if "lora_" in n], 2)
     peft.save_pretrained(str(tmp_path / "pa"))
     cfg = load_adapter(base, tmp_path / "pa")
     assert cfg.rank == 4 and cfg.lora_scale == pytest.approx(3.0)
-    assert set(cfg.targets) == {"q_proj", "v_proj", "down_proj"}
+    assert set(cfg.targets) == set(targets)
     with torch.no_grad():
         torch.testing.assert_close(base(IDS), peft.eval()(IDS).logits, atol=1e-4, rtol=0)
 

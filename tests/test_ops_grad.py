@@ -79,6 +79,17 @@ ROPES = {
     "linear": RopeSpec(theta=10000.0, kind="linear", factor=4.0),
     # original context 64 < S = 77, so the long, medium (ramp) and short bands all occur
     "llama3": RopeSpec(500000.0, "llama3", 8.0, original_max_position_embeddings=64),
+    # Phi-4-mini's pieces: 3/4 of each head rotates (18 of 24 dims, 6 pass through); LongRoPE
+    # with original context 64 < S = 77 (the long factors) and its attention factor on cos/sin
+    "longrope_partial": RopeSpec(
+        7000.0,
+        "longrope",
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+        short_factor=[1.0 + 0.1 * i for i in range(9)],
+        long_factor=[1.5 + 0.7 * i for i in range(9)],
+        attention_factor=1.19,
+    ),
 }
 
 
@@ -89,6 +100,23 @@ def test_apply_rope_backward(kind: str) -> None:
     xr = x.clone().requires_grad_()
     (gx,) = torch.autograd.grad(apply_rope(xr, cos, sin), xr, dy)
     assert rel(apply_rope_backward(dy, cos, sin), gx) < TOL
+    assert torch.autograd.gradcheck(
+        lambda t: apply_rope(t, cos[:5], sin[:5]), (x[:1, :1, :5].clone().requires_grad_(),)
+    )
+
+
+def test_partial_rope_passes_the_rest_through() -> None:
+    """Partial rotary: the tables cover 18 of 24 dims; the other 6 are the input, forward and
+    backward (the identity's gradient), and the rotated 18 equal a full rotary over them."""
+    spec = ROPES["longrope_partial"]
+    cos, sin = rope_tables(spec, 24, 77, torch.device("cpu"), F64)
+    assert cos.shape == (77, 18)
+    x, dy = randn(2, 3, 77, 24, seed=4), randn(2, 3, 77, 24, seed=5)
+    y, dx = apply_rope(x, cos, sin), apply_rope_backward(dy, cos, sin)
+    assert torch.equal(y[..., 18:], x[..., 18:]) and torch.equal(dx[..., 18:], dy[..., 18:])
+    assert torch.equal(y[..., :18], apply_rope(x[..., :18].contiguous(), cos, sin))
+    short, _ = rope_tables(spec, 24, 64, torch.device("cpu"), F64)  # 64 positions: short set
+    assert not torch.allclose(short, cos[:64])
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

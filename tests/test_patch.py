@@ -25,7 +25,7 @@ from mesp.nn.functions import (
 )
 from mesp.patch import patch, patch_record, unpatch
 from mesp.quant import QuantSpec
-from tests.hf_tiny import FAMILIES, LATER, hf_model
+from tests.hf_tiny import FAMILIES, LATER, hf_model, lora_names, n_patched
 
 F64 = torch.float64
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' renames
@@ -194,8 +194,9 @@ def test_fused_projections_match_separate_layers() -> None:
 def peft_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     from peft import LoraConfig, get_peft_model
 
+    targets = lora_names(family, TARGETS)  # Phi-3: its fused qkv_proj and gate_up_proj
     model = get_peft_model(
-        hf_model(family, seed).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+        hf_model(family, seed).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=targets)
     )
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # B = 0 would leave dA = 0: make every gradient non-trivial
@@ -239,7 +240,7 @@ def test_patched_gradients_match(family: str, checkpointing: str) -> None:
     ids, labels = batch()
     loss0, g0 = grads(model, ids, labels)
     patch(model)
-    assert len(patch_record(model).names) == 2 * 8  # 7 LoRA linears + 1 MLP per layer
+    assert len(patch_record(model).names) == 2 * n_patched(family)  # LoRA linears + MLP
     loss1, g1 = grads(model, ids, labels)
     assert loss1 == pytest.approx(loss0, rel=1e-6)
     assert_same_grads(g0, g1)
@@ -406,7 +407,7 @@ def test_trainer_losses_match(
         if patched:  # still patched after Trainer's setup (checkpointing, PEFT hooks)
             rec = patch_record(trainer.model)
             assert rec is not None and rec.loss and not rec.skipped
-            assert len(rec.names) == 2 * 8  # 7 LoRA linears + 1 MLP per layer
+            assert len(rec.names) == 2 * n_patched(family)  # LoRA linears + MLP
         return losses
 
     ref = run(False)

@@ -48,22 +48,13 @@ def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
     """The paper's 'store h' ablation: h = x Aᵀ for every adapter, taken at recompute time."""
     at, mlp = block.self_attn, block.mlp
     b, _, s, _ = tape["o"].shape
-    inputs = {
-        "q_proj": tape["n1"],
-        "k_proj": tape["n1"],
-        "v_proj": tape["n1"],
-        "o_proj": tape["o"].transpose(1, 2).reshape(b, s, -1),
-        "gate_proj": tape["n2"],
-        "up_proj": tape["n2"],
-    }
-    mods = {
-        "q_proj": at.q_proj,
-        "k_proj": at.k_proj,
-        "v_proj": at.v_proj,
-        "o_proj": at.o_proj,
-        "gate_proj": mlp.gate_proj,
-        "up_proj": mlp.up_proj,
-    }
+    o = tape["o"].transpose(1, 2).reshape(b, s, -1)
+    names = ("qkv_proj",) if at.fused else ("q_proj", "k_proj", "v_proj")
+    inputs = {n: tape["n1"] for n in names}
+    inputs["o_proj"] = o
+    for n in ("gate_up_proj",) if mlp.fused else ("gate_proj", "up_proj"):
+        inputs[n] = tape["n2"]
+    mods = {n: getattr(at if n in names or n == "o_proj" else mlp, n) for n in inputs}
     hs = {k: linear(x, mods[k].lora_A) for k, x in inputs.items() if mods[k].lora_A is not None}
     a_down = mlp.down_proj.lora_A
     if a_down is None:
@@ -85,6 +76,10 @@ def _mlp_piece(
     dm = _lin_bwd(mlp.down_proj, dd, gated_act(gate, up, mlp.act), h=hs.get("down_proj"))
     dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
     del dm, gate, up
+    if mlp.fused:  # the split's backward: [dgate | dup] is the fused output's gradient
+        dgu = torch.cat([dgate, dup], dim=-1)
+        del dgate, dup
+        return _lin_bwd(mlp.gate_up_proj, dgu, n2, h=hs.get("gate_up_proj"))
     dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"))
     del dgate
     dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"))
@@ -104,13 +99,13 @@ def _mlp_backward(mlp: MLP, dd: Tensor, tape: Tape, hs: dict[str, Tensor]) -> Te
     mlp_h = {
         k: v.reshape(n2.shape[0], -1)
         for k, v in hs.items()
-        if k in ("gate_proj", "up_proj", "down_proj")
+        if k in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
     }
     dn2 = torch.empty_like(n2)
     for sl in mlp.tiles(n2.shape[0]):
         t = n2[sl]
         tile_h = {k: v[sl] for k, v in mlp_h.items()}
-        dn2[sl] = _mlp_piece(mlp, dd[sl], t, mlp.gate_proj(t), mlp.up_proj(t), tile_h)
+        dn2[sl] = _mlp_piece(mlp, dd[sl], t, *mlp.gate_up(t), tile_h)
     return dn2.view(shape)
 
 
@@ -194,17 +189,24 @@ def block_backward(
     def flat(g: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, H·D)
         return g.transpose(1, 2).reshape(b, s, -1)
 
-    dn1 = _lin_bwd(at.q_proj, flat(dq), n1, need_dx, hs.get("q_proj"))
-    del dq
-    dk_in = _lin_bwd(at.k_proj, flat(dk), n1, need_dx, hs.get("k_proj"))
-    del dk
-    dv_in = _lin_bwd(at.v_proj, flat(dv), n1, need_dx, hs.get("v_proj"))
-    del dv, n1
-    if not need_dx or dn1 is None or dk_in is None or dv_in is None:
+    if at.fused:  # the split's backward: [dq | dk | dv] is the fused output's gradient
+        dqkv = torch.cat([flat(dq), flat(dk), flat(dv)], dim=-1)
+        del dq, dk, dv
+        dn1 = _lin_bwd(at.qkv_proj, dqkv, n1, need_dx, hs.get("qkv_proj"))
+        del dqkv, n1
+    else:
+        dn1 = _lin_bwd(at.q_proj, flat(dq), n1, need_dx, hs.get("q_proj"))
+        del dq
+        dk_in = _lin_bwd(at.k_proj, flat(dk), n1, need_dx, hs.get("k_proj"))
+        del dk
+        dv_in = _lin_bwd(at.v_proj, flat(dv), n1, need_dx, hs.get("v_proj"))
+        del dv, n1
+        if dn1 is not None and dk_in is not None and dv_in is not None:
+            dn1 += dk_in
+            dn1 += dv_in
+        del dk_in, dv_in
+    if not need_dx or dn1 is None:
         return None
-    dn1 += dk_in
-    dn1 += dv_in
-    del dk_in, dv_in
     if block.input_layernorm is None:  # OLMo 2: n1 = x
         return dx2.add_(dn1)
     return dx2.add_(norm_bwd(dn1, x, block.input_layernorm))

@@ -18,3 +18,5 @@ class FamilySpec:
     # OLMo 2: no input norm; one norm on the attention output and one on the MLP output, each
     # before its residual add (the MLP reads the residual stream unnormed)
     post_norms: bool = False
+    # Phi-3: one qkv_proj (q | k | v) and one gate_up_proj (gate | up) instead of five linears
+    fused_proj: bool = False

@@ -22,6 +22,17 @@ from mesp.ops.norm import rms_norm, rms_norm_heads
 from mesp.ops.rope import apply_rope, rope_tables
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's fused linears and the targets each stands for: naming any part adapts the fused one
+FUSED_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def is_target(leaf: str, targets: tuple[str, ...]) -> bool:
+    """Whether the linear named `leaf` gets an adapter under `targets` (PEFT's names: the
+    fused ones, or the parts they fuse)."""
+    return leaf in targets or any(t in targets for t in FUSED_TARGETS.get(leaf, ()))
 
 
 Tape = dict[str, Tensor]  # name -> tensor kept for the structured backward
@@ -82,9 +93,13 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim, self.scale = h, kv, d, cfg.attn_scale
         self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores cap·tanh(s/cap)
         bias = cfg.attention_bias
-        self.q_proj = Linear(hid, h * d, bias, dtype)
-        self.k_proj = Linear(hid, kv * d, bias, dtype)
-        self.v_proj = Linear(hid, kv * d, bias, dtype)
+        self.fused = spec.fused_proj
+        if spec.fused_proj:  # Phi-3: one linear, its output split q | k | v
+            self.qkv_proj = Linear(hid, (h + 2 * kv) * d, bias, dtype)
+        else:
+            self.q_proj = Linear(hid, h * d, bias, dtype)
+            self.k_proj = Linear(hid, kv * d, bias, dtype)
+            self.v_proj = Linear(hid, kv * d, bias, dtype)
         self.o_proj = Linear(h * d, hid, False, dtype)
         eps, off = cfg.rms_norm_eps, spec.norm_offset
         self.q_norm: RMSNorm | None = None
@@ -96,14 +111,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, eps, off, dtype)
             self.k_norm = RMSNorm(d, eps, off, dtype)
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, S, hidden) -> the q, k, v projections (B, S, H·D / KV·D / KV·D)."""
+        if not self.fused:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
+        return q, k, v
+
     def qkv(
         self, x: Tensor, cos: Tensor, sin: Tensor, tape: Tape | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, S, hidden) -> q (B, H, S, D), k/v (B, KV, S, D), normed and rotated."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.reshape(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             if tape is not None:  # the q/k norm backward needs its input
                 tape["q_lin"], tape["k_lin"] = q, k
@@ -148,8 +172,12 @@ class MLP(nn.Module):
         super().__init__()
         hid, inter = cfg.hidden_size, cfg.intermediate_size
         self.act = spec.activation
-        self.gate_proj = Linear(hid, inter, False, dtype)
-        self.up_proj = Linear(hid, inter, False, dtype)
+        self.fused = spec.fused_proj
+        if spec.fused_proj:  # Phi-3: one linear, its output split gate | up
+            self.gate_up_proj = Linear(hid, 2 * inter, False, dtype)
+        else:
+            self.gate_proj = Linear(hid, inter, False, dtype)
+            self.up_proj = Linear(hid, inter, False, dtype)
         self.down_proj = Linear(inter, hid, False, dtype)
 
     def tiled(self, x: Tensor) -> bool:
@@ -160,9 +188,16 @@ class MLP(nn.Module):
         """The token slices, `tile` rows each, that a tiled pass over `rows` tokens takes."""
         return (slice(r, r + self.tile) for r in range(0, rows, self.tile))
 
+    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The gate and up projections of x."""
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return gate, up
+        return self.gate_proj(x), self.up_proj(x)
+
     def inner(self, x: Tensor) -> Tensor:
         """act(gate(x)) · up(x): the input of down_proj."""
-        return gated_act(self.gate_proj(x), self.up_proj(x), self.act)
+        return gated_act(*self.gate_up(x), self.act)
 
     def forward(self, x: Tensor, tape: Tape | None = None) -> Tensor:
         if self.tiled(x):
@@ -174,7 +209,7 @@ class MLP(nn.Module):
             for sl in self.tiles(x2.shape[0]):
                 out[sl] = self.down_proj(self.inner(x2[sl]))
             return out.view(*x.shape[:-1], -1)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         if tape is not None:  # act(gate)·up is recomputed in backward; gate and up are kept
             tape["gate"], tape["up"] = gate, up
         return self.down_proj(gated_act(gate, up, self.act))

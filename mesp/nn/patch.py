@@ -42,6 +42,7 @@ FAMILIES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "Gemma2ForCausalLM",
+    "Phi3ForCausalLM",  # its MLP (one fused gate_up_proj) is not fused: stays transformers'
 )
 # MLPs whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)).
 _MLPS = (
