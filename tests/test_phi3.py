@@ -5,11 +5,13 @@ partial rotary, the window, and its config keys read as transformers reads them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from mesp.cli import main
 from mesp.config import FULL, SLIDING, ModelConfig
 from mesp.engines import make_engine
 from mesp.errors import MespError
@@ -154,3 +156,70 @@ def test_config_keys_read_as_transformers_reads_them() -> None:
 def test_bad_keys_fail_in_one_line(over: dict, msg: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(MespError, match=msg):
         ModelConfig.from_hf(_phi4_like(**over))
+
+
+def test_merge_writes_phi3_hf_and_mlx_dirs(tmp_path: Path) -> None:
+    """merge: an HF directory of Phi3ForCausalLM (fused names) that transformers loads with
+    base + adapter's logits; with --quantize 4 an MLX directory that loads back bit for bit."""
+    import transformers
+
+    from mesp.convert.merge import merge_into_base
+    from mesp.loading import load_model
+    from mesp.lora import load_adapter
+    from mesp.quant import QuantSpec
+    from tests.test_merge import IDS, WIDE, _adapter
+    from tests.tiny_dir import make_model_dir
+
+    base = make_model_dir(tmp_path / "base", "phi3", **WIDE)
+    _adapter(base, tmp_path / "ad")
+    argv = ["merge", "--model", str(base), "--adapter", str(tmp_path / "ad"), "--out"]
+    assert main([*argv, str(tmp_path / "m")]) == 0
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert conf["architectures"] == ["Phi3ForCausalLM"] and conf["model_type"] == "phi3"
+    ref = load_model(base).model
+    load_adapter(ref, tmp_path / "ad")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    assert "model.layers.0.self_attn.qkv_proj.weight" in hf.state_dict()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(IDS).logits, ref(IDS), atol=1e-4, rtol=0)
+    assert main([*argv, str(tmp_path / "m4"), "--quantize", "4", "--group-size", "64"]) == 0
+    merge_into_base(ref, QuantSpec(4, 64))
+    loaded = load_model(tmp_path / "m4")
+    assert loaded.fmt == "mlx" and loaded.model.layers[0].mlp.gate_up_proj.quant == QuantSpec(4, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(IDS), ref(IDS))
+
+
+@pytest.mark.parametrize("bits", ["4", "8"])
+def test_cli_trains_quantized(bits: str, tmp_path: Path) -> None:
+    """`mesp train --quantize 4|8` on a Phi-3 HF directory: finite losses, a PEFT adapter."""
+    from tests.test_merge import WIDE
+    from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
+
+    base = make_model_dir(tmp_path / "m", "phi3", **WIDE)
+    data, out = make_jsonl(tmp_path / "d.jsonl", n=8), tmp_path / "ad"
+    flags = dict(steps=2, batch_size=2, seq_len=24, quantize=bits, eval_every=0, rank=2)
+    assert main(train_argv(base, data, out, **flags)) == 0
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(conf["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+
+
+def test_info_names_phi3s_pieces_and_export_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`mesp info` names the fused linears, the partial rotary and LongRoPE; `mesp export`
+    refuses Phi-3 in one line (exit 2): its programs write separate q/k/v and gate/up."""
+    from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
+
+    base = make_model_dir(tmp_path / "m", "phi3")
+    assert main(["info", "--model", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "fused        qkv_proj (q | k | v), gate_up_proj (gate | up)" in out
+    assert "rotary       18 of 24 dims per head" in out
+    assert "rope         longrope: long factors past 16 tokens, cos/sin × 1.414" in out
+    ad = tmp_path / "ad"
+    data = make_jsonl(tmp_path / "d.jsonl", 4)
+    assert main(train_argv(base, data, ad, steps=1, seq_len=16, quantize="none")) == 0
+    argv = ["export", "--model", str(base), "--adapter", str(ad), "--out", str(tmp_path / "x")]
+    assert main([*argv, "--seq-len", "8"]) == 2
+    assert "fused qkv_proj / gate_up_proj" in capsys.readouterr().err

@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

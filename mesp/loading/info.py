@@ -6,13 +6,14 @@ from pathlib import Path
 
 import torch
 
-from mesp.config import ModelConfig
+from mesp.config import FULL, ModelConfig
 from mesp.loading.build import expected_tensors
 from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import lora_param_count
 from mesp.models import FAMILIES
 from mesp.models.linear import FrozenWeight
 from mesp.models.transformer import LORA_TARGETS, CausalLM
+from mesp.ops.rope import rot_dim
 from mesp.quant import QuantSpec, quantized_bytes
 
 
@@ -103,6 +104,16 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
         n_sl = sum(t == "sliding_attention" for t in cfg.layer_types)
         lines.append(
             f"sliding      window {cfg.sliding_window} on {n_sl} of {cfg.num_hidden_layers} layers"
+        )
+    if FAMILIES[cfg.family].fused_proj:  # Phi-3
+        lines.append("fused        qkv_proj (q | k | v), gate_up_proj (gate | up)")
+    r = cfg.rope[FULL]
+    if r.partial_rotary_factor != 1.0:  # Phi-4-mini
+        lines.append(f"rotary       {rot_dim(r, cfg.head_dim)} of {cfg.head_dim} dims per head")
+    if r.kind == "longrope":
+        lines.append(
+            f"rope         longrope: long factors past {r.original_max_position_embeddings} "
+            f"tokens, cos/sin × {r.attention_factor:.4g}"
         )
     if not all(cfg.rope_layers):  # SmolLM3's NoPE layers; Granite's four scalars
         n_nope = cfg.rope_layers.count(False)

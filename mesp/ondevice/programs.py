@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mesp.errors import MespError
 from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
 from mesp.ops.attention import attention, attention_bwd, attention_fwd
 from mesp.ops.lora_linear import lora_linear_backward
@@ -107,6 +108,11 @@ class BlockSpec:
     @classmethod
     def of(cls, model: CausalLM, block: Block, masked: bool) -> BlockSpec:
         cfg, spec, at = model.config, model.spec, block.self_attn
+        if spec.fused_proj:  # the programs write q/k/v and gate/up as separate linears
+            raise MespError(
+                f"mesp export does not build {cfg.family}'s fused qkv_proj / gate_up_proj "
+                "programs yet (train, merge and export-adapter work)"
+            )
         lins = []
         for name in LORA_TARGETS:
             mod = getattr(at if PARENT[name] == "self_attn" else block.mlp, name)
