@@ -203,6 +203,27 @@ def test_predicted_peak_olmo2_gemma2(engine: str, family: str, seq: int, over: d
     check(family, engine, seq, None if seq == 640 else Q4, over=over, optimizer="sgd")
 
 
+# Phi-3 (fused qkv_proj and gate_up_proj: one adapter each, [dq | dk | dv] and [dgate | dup]
+# concatenated in mesp's backward, gate | up one tensor): the same eight cases, two by default
+PHI3_FAST = {("mesp", 640), ("mezo", 256)}
+PHI3_CASES = [
+    pytest.param(
+        engine,
+        seq,
+        id=f"{engine}-phi3-{seq}",
+        marks=() if (engine, seq) in PHI3_FAST else pytest.mark.slow,
+    )
+    for engine in ENGINES
+    for seq in (256, 640)
+]
+
+
+@pytest.mark.parametrize("engine,seq", PHI3_CASES)
+def test_predicted_peak_phi3(engine: str, seq: int) -> None:
+    over = {"vocab_size": 512} if seq == 640 else {}
+    check("phi3", engine, seq, None if seq == 640 else Q4, over=over, optimizer="sgd")
+
+
 def test_capped_attention_is_counted() -> None:
     """Gemma 2's soft-capped attention never takes the flash kernels: no additive window mask,
     but per-chunk scores, so its block backward is above the same shape's without the cap."""
@@ -316,6 +337,8 @@ PUBLISHED = {
     "granite-3.1-2b": 2.53e9,
     "olmo2-7b": 7.30e9,  # the model page's count
     "gemma2-2b": 2.61e9,  # the model page's count (tied head counted once)
+    "phi-3-mini": 3.82e9,  # the model page's count
+    "phi-4-mini": 3.84e9,  # the model page's count (tied head counted once)
 }
 
 

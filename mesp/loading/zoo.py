@@ -371,6 +371,41 @@ SHAPES: dict[str, dict] = {
         attention_bias=False,
         tie_word_embeddings=True,
     ),
+    "phi-3-mini": dict(  # microsoft/Phi-3-mini-4k-instruct: fused qkv / gate_up, a 2047 window
+        model_type="phi3",
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=4096,
+        sliding_window=2047,
+        tie_word_embeddings=False,
+    ),
+    # microsoft/Phi-4-mini-instruct: GQA 24/8, 3/4 of each head rotates, LongRoPE, tied head.
+    # The shape is the model's; its 48 short / long factors are not copied here (uniform 1.0:
+    # the count, the memory and the planner do not depend on their values)
+    "phi-4-mini": dict(
+        model_type="phi3",
+        vocab_size=200064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48},
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        sliding_window=262144,
+        tie_word_embeddings=True,
+    ),
 }
 
 

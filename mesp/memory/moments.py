@@ -27,6 +27,13 @@ def _linear_peak(s: Sizes, name: str) -> int:
     return max(s.proj(out, inp, then=y), (3 if lora else 2) * y)
 
 
+def _fused_up_peak(s: Sizes) -> int:
+    """Phi-3's gate_up_proj without autograd: its (T, 2F) output, the adapter's product added
+    into it in place (add_product), beside the dequantized weight. Result: T·2F·e."""
+    y = 2 * s.T * s.F * s.e
+    return s.proj(2 * s.F, s.D, then=y)
+
+
 def _capped_fwd(s: Sizes) -> int:
     """The chunked attention forward's transients beyond q, k, v, out and lse (soft-capped
     attention only): the largest chunk's scores beside the previous chunk's (alive until
@@ -74,7 +81,7 @@ def block_forward_peak(s: Sizes, tape: bool) -> int:
     qk = T * (2 * Q + 2 * K) * e + lse  # q, k, v after RoPE, o
     qk_in = s.qk_norm * T * (Q + K) * e
     attn = max(
-        T * D * e + _linear_peak(s, "q_proj"),
+        T * D * e + _linear_peak(s, s.qkv_name),
         T * D * e + T * Q * e + 2 * T * K * e + 3 * T * Q * e,  # RoPE of q beside pre-RoPE q,k,v
         T * D * e + T * (2 * Q + 2 * K) * e + 3 * T * K * e,  # RoPE of k
         T * D * e + qk + s.window_mask + _capped_fwd(s),  # the attention call itself
@@ -87,7 +94,7 @@ def block_forward_peak(s: Sizes, tape: bool) -> int:
     mlp = mlp_in + (T * D * e if m else 0)
     m = m or s
     mlp += max(
-        m.T * F * e + _linear_peak(m, "up_proj"),
+        m.T * F * e + _linear_peak(m, "up_proj") if not s.fused else _fused_up_peak(m),
         4 * m.T * F * e,  # gate, up, act(gate), product
         3 * m.T * F * e + _linear_peak(m, "down_proj"),
     )
@@ -123,8 +130,13 @@ def mesp_block_backward_peak(s: Sizes) -> int:
     dd = post * T * D * e  # Gemma, OLMo 2: the gradient through the post-MLP norm
     down = base + dd + 3 * Tm * F * e + s.proj(D, F, then=Tm * F * e)
     up = base + 2 * Tm * F * e + Tm * D * e + s.proj(F, D, then=Tm * D * e)
+    if s.fused:  # gate | up (the caller's call arguments, alive to the end of the MLP piece),
+        # dgate, dup and [dgate | dup] beside them; then the fused linear's dx beside [dgate | dup]
+        cat = base + 6 * Tm * F * e
+        up = max(cat, base + 4 * Tm * F * e + s.proj(2 * F, D, then=Tm * D * e))
     if tiled:
-        up = max(up, base + Tm * F * e + _linear_peak(m, "up_proj"))
+        fwd = _fused_up_peak(m) if s.fused else Tm * F * e + _linear_peak(m, "up_proj")
+        up = max(up, base + fwd)
     # attention backward: da, do, dq, dk, dv (and the window mask) beside the tape
     attn = tape_attn + T * D * e * (1 + post) + T * (2 * s.Q + 2 * s.K) * e + s.window_mask
     # under a soft-cap the chunked pair's scores dominate it: by then the tape holds n1 (OLMo 2:
@@ -133,7 +145,11 @@ def mesp_block_backward_peak(s: Sizes) -> int:
     qk_in = s.qk_norm * T * (s.Q + s.K) * e
     rest = (2 - s.post_norms) * T * D * e + qkvo + s.B * s.H * s.S * 4 + qk_in
     capped = s.capped * (rest + qkvo + _capped_bwd(s))
-    return max(block_forward_peak(s, tape=True), act, down, up, attn, capped)
+    # Phi-3: q, k, v, o and lse are freed after the attention backward; dq, dk, dv, their
+    # (B, S, ·) copies and the concatenated [dq | dk | dv] beside dx2 and do
+    qkv = s.Q + 2 * s.K
+    cat = s.fused * (tape_attn - qkvo - s.B * s.H * s.S * 4 + 2 * T * D * e + 3 * T * qkv * e)
+    return max(block_forward_peak(s, tape=True), act, down, up, attn, capped, cat)
 
 
 def autograd_saved_block(s: Sizes, grad_input: bool) -> int:
@@ -146,8 +162,8 @@ def autograd_saved_block(s: Sizes, grad_input: bool) -> int:
     out += T * D * f * (2 if s.post_norms else 1 + 2 * s.sandwich)
     # the first norm's input; OLMo 2 has none (the block input is saved as n1 below)
     out += grad_input * (not s.post_norms) * T * D * f
-    out += bool(tg & {"q_proj", "k_proj", "v_proj"}) * T * D * e  # n1 for dA
-    out += bool(tg & {"gate_proj", "up_proj"}) * T * D * e  # n2 for dA
+    out += bool(tg & {"q_proj", "k_proj", "v_proj", "qkv_proj"}) * T * D * e  # n1 for dA
+    out += bool(tg & {"gate_proj", "up_proj", "gate_up_proj"}) * T * D * e  # n2 for dA
     out += T * (2 * s.Q + 2 * s.K) * e + s.B * s.H * s.S * 4  # q, k, v, o, lse
     out += s.qk_norm * T * (s.Q + s.K) * f
     out += 3 * T * F * e + ("down_proj" in tg) * T * F * e  # gate, up, act(gate), act·up
@@ -168,10 +184,11 @@ def autograd_block_backward_extra(s: Sizes) -> int:
     # then: gate, up, act(gate) (and act·up), n2 and h for its adapters, the fp32 inputs of
     # the norms on that half (x2 before the MLP; Gemma's post-MLP d; OLMo 2's d alone)
     tg = set(s.targets)
-    mlp_t = tg & {"gate_proj", "up_proj", "down_proj"}
+    mlp_t = tg & {"gate_proj", "up_proj", "gate_up_proj", "down_proj"}
     norms = 1 + (s.sandwich and not s.post_norms)
     mlp_saved = (3 + ("down_proj" in tg)) * T * F * e + len(mlp_t) * T * s.r * e
-    mlp_saved += bool(tg & {"gate_proj", "up_proj"}) * T * s.D * e + norms * T * s.D * s.f
+    mlp_saved += bool(tg & {"gate_proj", "up_proj", "gate_up_proj"}) * T * s.D * e
+    mlp_saved += norms * T * s.D * s.f
     attn = s.capped * (T * (2 * s.Q + 2 * s.K) * e + _capped_bwd(s) - mlp_saved)
     return max(mlp, attn)
 

@@ -79,6 +79,7 @@ FAMILY_SIZES: dict[str, list[str]] = {
     "granite": ["granite-3.1-2b"],
     "olmo2": ["olmo2-7b"],
     "gemma2": ["gemma2-2b"],
+    "phi3": ["phi-3-mini", "phi-4-mini"],
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from mesp.config import FULL, SLIDING, ModelConfig
 from mesp.errors import MespError
 from mesp.models import FAMILIES
-from mesp.models.transformer import LORA_TARGETS
+from mesp.models.transformer import FUSED_TARGETS, LORA_TARGETS, is_target
 from mesp.ops import native
 from mesp.ops.matmul import WEIGHT_BLOCK_BYTES
 from mesp.quant import DEQUANT_BLOCK, QuantSpec
@@ -53,6 +53,7 @@ class Sizes:
     chunk_mask: int = 0  # bytes of that chunk's bool mask
     torch_unpack: bool = True  # the pure-torch dequantizer (not mesp.ops.native's one sweep)
     blocked: bool = False  # projections dequantized block by block (fp32 on the native kernel)
+    fused: bool = False  # Phi-3: one qkv_proj and one gate_up_proj (targets: the fused names)
 
     @property
     def T(self) -> int:
@@ -84,8 +85,25 @@ class Sizes:
             block = out * min(inp, max(q.group_size, step // out // q.group_size * q.group_size))
         return then + 4 * block
 
+    @property
+    def qkv_name(self) -> str:
+        """The linear that makes q (Phi-3: q, k and v in one)."""
+        return "qkv_proj" if self.fused else "q_proj"
+
+    @property
+    def up_name(self) -> str:
+        """The linear that makes up (Phi-3: gate and up in one)."""
+        return "gate_up_proj" if self.fused else "up_proj"
+
     def lin_in_out(self) -> dict[str, tuple[int, int]]:
         D, F, Q, K = self.D, self.F, self.Q, self.K
+        if self.fused:
+            return {
+                "qkv_proj": (D, Q + 2 * K),
+                "o_proj": (Q, D),
+                "gate_up_proj": (D, 2 * F),
+                "down_proj": (F, D),
+            }
         return {
             "q_proj": (D, Q),
             "k_proj": (D, K),
@@ -121,9 +139,12 @@ def sizes(
     i = max(range(len(chunks)), key=lambda j: chunks[j][0] * chunks[j][1]) if capped else 0
     (rows, keys), prev = chunks[i], chunks[i - 1] if i else (0, 0)
     score = capped * batch * cfg.num_attention_heads * f
-    bad = [t for t in targets if t not in LORA_TARGETS]
+    bad = [t for t in targets if t not in LORA_TARGETS and t not in FUSED_TARGETS]
     if bad:
         raise MespError(f"unknown LoRA target(s) {bad}; choose from {list(LORA_TARGETS)}")
+    if spec.fused_proj:  # the linears the targets adapt, as apply_lora picks them
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        targets = [n for n in names if is_target(n, tuple(targets))]
     return Sizes(
         torch_unpack=dtype not in (torch.float32, torch.bfloat16) or native.library() is None,
         blocked=dtype == torch.float32 and native.library() is not None,
@@ -152,6 +173,7 @@ def sizes(
         prev_scores=score * prev[0] * prev[1],
         chunk_keys=capped * keys,
         chunk_mask=capped * rows * keys,
+        fused=spec.fused_proj,
     )
 
 
