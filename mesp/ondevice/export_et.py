@@ -41,6 +41,7 @@ from mesp.ondevice.steps import (
     loss_start_step,
     sgd_step,
 )
+from mesp.ops.matmul import WEIGHT_BLOCK_BYTES
 from mesp.quant import packed_bytes
 
 VERSION = 2  # 2: the loss as start / slice (/ tail) / finish programs
@@ -52,8 +53,12 @@ def edge_weights(w: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def edge_block_spec(bs: BlockSpec, tile: int) -> BlockSpec:
-    """The block spec with the edge formulations: core-ATen unpack, query-tiled attention."""
-    lins = tuple((n, replace(ws, core_aten=True)) for n, ws in bs.linears)
+    """The block spec with the edge formulations: core-ATen unpack, query-tiled attention, and
+    quantized weights dequantized in the engine's blocks (one block's fp32 bytes live at a
+    time: the arena and XNNPACK's packing hold a block, not a whole matrix)."""
+    lins = tuple(
+        (n, replace(ws, core_aten=True, block_bytes=WEIGHT_BLOCK_BYTES)) for n, ws in bs.linears
+    )
     return replace(bs, linears=lins, attn_tile=tile)
 
 

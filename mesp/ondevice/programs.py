@@ -28,7 +28,7 @@ from mesp.errors import MespError
 from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
 from mesp.ops.attention import attention, attention_bwd, attention_fwd
 from mesp.ops.lora_linear import lora_linear_backward
-from mesp.ops.matmul import add_product
+from mesp.ops.matmul import TracedBlocks, add_product
 from mesp.ops.mlp import gated_act, gated_act_backward
 from mesp.ops.norm import rms_norm, rms_norm_backward, rms_norm_heads, rms_norm_heads_backward
 from mesp.ops.rope import apply_rope, apply_rope_backward
@@ -55,6 +55,9 @@ class WeightSpec:
     bias: bool = False
     lora_scale: float | None = None  # None: no adapter on this linear
     core_aten: bool = False  # unpack with core ATen ops only (edge runtimes: no `>>`)
+    # a quantized weight dequantized in blocks of at most this many fp32 bytes, cut as the
+    # engine's linear_blocks cuts it (mesp.ops.matmul.TracedBlocks); None: whole, at once
+    block_bytes: int | None = None
 
 
 def dequantizer(ws: WeightSpec) -> Callable[..., Tensor]:
@@ -67,6 +70,24 @@ def dense(w: Tensors, ws: WeightSpec, dtype: torch.dtype | None) -> Tensor:
     if ws.quant is None:
         return w[f"{p}.weight"] if dtype is None else w[f"{p}.weight"].to(dtype)
     return dequantizer(ws)(w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"], ws.quant, dtype)
+
+
+def base(w: Tensors, ws: WeightSpec) -> TracedBlocks | Callable[[torch.dtype], Tensor]:
+    """The frozen matrix for ops.lora_linear: in blocks where ws says so, else whole."""
+    if ws.quant is None or ws.block_bytes is None:
+        return lambda dt: dense(w, ws, dt)
+    p, g = ws.prefix, ws.quant.group_size
+    wq, sc, bi = w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"]
+    in_f = sc.shape[1] * g
+    per = wq.shape[1] // (in_f // g)  # packed units per group (words or bytes)
+
+    def block(r: slice, c: slice, dt: torch.dtype) -> Tensor:
+        c0, c1 = (0, in_f) if c.stop is None else (c.start, c.stop)
+        gs = slice(c0 // g, c1 // g)
+        q = wq[r, gs.start * per : gs.stop * per]
+        return dequantizer(ws)(q, sc[r, gs], bi[r, gs], ws.quant, dt)
+
+    return TracedBlocks(block, (sc.shape[0], in_f), g, ws.block_bytes)
 
 
 def rows(w: Tensors, ws: WeightSpec, start: int, stop: int, dtype: torch.dtype) -> Tensor:
@@ -165,7 +186,8 @@ def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> T
     """Linear.forward: y = x Wᵀ (+ b) (+ s·(x Aᵀ) Bᵀ in one addmm), the same ops in the same
     order (the lowering writes addmm out as mm, mul and add: see mesp.ondevice.lower)."""
     ws = bs.lin(name)
-    y = F.linear(x, dense(w, ws, x.dtype))
+    src = base(w, ws)
+    y = src.linear(x) if isinstance(src, TracedBlocks) else F.linear(x, dense(w, ws, x.dtype))
     if ws.bias:
         y = y + w[f"{ws.prefix}.bias"]
     if ws.lora_scale is not None:
@@ -251,12 +273,13 @@ def _lin_bwd(
     """dx of one linear; its adapter gradients (if any) go into `grads` (fresh zeros + addmm_,
     exactly the engine's first accumulation into a None .grad)."""
     ws = bs.lin(name)
+    src = base(w, ws)
     if ws.lora_scale is None:
-        return dy @ dense(w, ws, dy.dtype)
+        return src.matmul(dy) if isinstance(src, TracedBlocks) else dy @ dense(w, ws, dy.dtype)
     a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
     ga, gb = torch.zeros_like(a), torch.zeros_like(b)
     grads[f"{ws.prefix}.lora_A"], grads[f"{ws.prefix}.lora_B"] = ga, gb
-    dx = lora_linear_backward(dy, x, lambda dt: dense(w, ws, dt), a, b, ws.lora_scale, ga, gb)
+    dx = lora_linear_backward(dy, x, src, a, b, ws.lora_scale, ga, gb)
     assert dx is not None
     return dx
 

@@ -13,16 +13,20 @@ import torch
 from torch import Tensor
 
 from mesp.models.linear import FrozenWeight
-from mesp.ops.matmul import add_product, addmm_, linear, matmul
+from mesp.ops.matmul import TracedBlocks, add_product, addmm_, linear, matmul
 
-# A frozen (out, in) base: a FrozenWeight (dense or packed), a plain tensor, or dtype -> tensor.
-WeightSource = FrozenWeight | Tensor | Callable[[torch.dtype], Tensor]
+# A frozen (out, in) base: a FrozenWeight (dense or packed), a plain tensor, dtype -> tensor, or
+# a traced program's weight in blocks.
+WeightSource = FrozenWeight | Tensor | Callable[[torch.dtype], Tensor] | TracedBlocks
 
 
 def dense_weight(base: WeightSource, dtype: torch.dtype) -> Tensor:
     """The (out, in) base weight in dtype; a fresh temporary when the base is quantized."""
     if isinstance(base, FrozenWeight):
         return base.dense(dtype)
+    if isinstance(base, TracedBlocks):
+        every = slice(0, None)
+        return base.block(every, every, dtype)
     if isinstance(base, Tensor):
         return base.to(dtype)
     return base(dtype).to(dtype)
@@ -30,14 +34,14 @@ def dense_weight(base: WeightSource, dtype: torch.dtype) -> Tensor:
 
 def base_linear(x: Tensor, base: WeightSource, bias: Tensor | None = None) -> Tensor:
     """x (..., in) Wᵀ (+ bias), in x.dtype: a FrozenWeight's own (blocked) matmul."""
-    if isinstance(base, FrozenWeight):
+    if isinstance(base, FrozenWeight | TracedBlocks):
         return base.linear(x, bias)
     return linear(x, dense_weight(base, x.dtype), bias)
 
 
 def base_matmul(dy: Tensor, base: WeightSource) -> Tensor:
     """dy (..., out) W, in dy.dtype: a FrozenWeight's own (blocked) matmul."""
-    if isinstance(base, FrozenWeight):
+    if isinstance(base, FrozenWeight | TracedBlocks):
         return base.matmul(dy)
     return matmul(dy, dense_weight(base, dy.dtype))
 

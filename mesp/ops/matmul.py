@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -203,19 +204,30 @@ def _rows_cut(shape: tuple[int, int]) -> bool:
     return shape[0] >= shape[1]
 
 
+def weight_spans(
+    shape: tuple[int, int], align: int, block_bytes: int = WEIGHT_BLOCK_BYTES
+) -> tuple[bool, list[slice]]:
+    """How W (out, in) = shape is cut: (rows_cut, spans), spans of rows when W is cut into rows
+    (out ≥ in), else of columns in whole groups of `align`; each block at most block_bytes of
+    fp32 (or one row / one group where that is more)."""
+    out_f, in_f = shape
+    rows_cut = _rows_cut(shape)
+    n, width, step_align = (out_f, in_f, 1) if rows_cut else (in_f, out_f, align)
+    step = max(step_align, block_bytes // (4 * width) // step_align * step_align)
+    return rows_cut, [slice(a, min(n, a + step)) for a in range(0, n, step)]
+
+
 def _blocks(
     fill: BlockFill, shape: tuple[int, int], align: int, device: torch.device
 ) -> Iterator[tuple[bool, slice, Tensor]]:
     """W (out, in) = shape as filled fp32 blocks, one reused buffer: (rows_cut, span, block),
     the block W[span, :] when W is cut into rows (out ≥ in), else W[:, span] (whole groups)."""
     out_f, in_f = shape
-    rows_cut = _rows_cut(shape)
-    n, width, step_align = (out_f, in_f, 1) if rows_cut else (in_f, out_f, align)
-    step = max(step_align, WEIGHT_BLOCK_BYTES // (4 * width) // step_align * step_align)
-    buf = torch.empty(min(step, n) * width, device=device)
+    rows_cut, spans = weight_spans(shape, align)
+    width = in_f if rows_cut else out_f
+    buf = torch.empty(max(sp.stop - sp.start for sp in spans) * width, device=device)
     every = slice(0, None)
-    for a in range(0, n, step):
-        sp = slice(a, min(n, a + step))
+    for sp in spans:
         k = sp.stop - sp.start
         w = buf[: k * width].view((k, in_f) if rows_cut else (out_f, k))
         if rows_cut:
@@ -280,3 +292,43 @@ def matmul_blocks(dy: Tensor, fill: BlockFill, shape: tuple[int, int], align: in
     if acc is not dx:
         dx.copy_(acc)
     return dx.view(*dy.shape[:-1], in_f)
+
+
+@dataclass(frozen=True)
+class TracedBlocks:
+    """A frozen (out, in) weight handed over in blocks to traced programs (mesp export): the
+    cuts of linear_blocks / matmul_blocks, but each block a fresh tensor from `block(rows,
+    cols, dtype)` and no `out=` writes, so torch.export traces it and the memory planner
+    reuses one block's bytes for the next (node order is lifetime order). Outputs cut along
+    the weight's rows are concatenated; a cut reduction is summed block by block in order."""
+
+    block: Callable[[slice, slice, torch.dtype], Tensor]  # W[rows, cols] in dtype
+    shape: tuple[int, int]
+    align: int  # column cuts in whole quantization groups
+    block_bytes: int = WEIGHT_BLOCK_BYTES
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (..., in) Wᵀ (+ bias)."""
+        rows_cut, spans = weight_spans(self.shape, self.align, self.block_bytes)
+        every = slice(0, None)
+        if rows_cut:
+            y = torch.cat([x @ self.block(sp, every, x.dtype).t() for sp in spans], -1)
+        else:
+            y = _summed(x[..., sp] @ self.block(every, sp, x.dtype).t() for sp in spans)
+        return y if bias is None else y + bias
+
+    def matmul(self, dy: Tensor) -> Tensor:
+        """dy (..., out) W."""
+        rows_cut, spans = weight_spans(self.shape, self.align, self.block_bytes)
+        every = slice(0, None)
+        if rows_cut:
+            return _summed(dy[..., sp] @ self.block(sp, every, dy.dtype) for sp in spans)
+        return torch.cat([dy @ self.block(every, sp, dy.dtype) for sp in spans], -1)
+
+
+def _summed(parts: Iterator[Tensor]) -> Tensor:
+    """The parts' sum, left to right (each part freed once added)."""
+    total = next(parts)
+    for p in parts:
+        total = total + p
+    return total
