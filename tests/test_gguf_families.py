@@ -26,6 +26,7 @@ from mesp.convert.gguf_model import write_model_gguf
 from mesp.convert.gguf_vocab import vocab_kvs
 from mesp.convert.merge import merged_tensors
 from mesp.loading import load_model
+from tests.hf_tiny import BASE, n_lora, phi3_extras
 from tests.test_gguf_adapter import LEAVES, _tensors
 from tests.test_gguf_export import _merge, _reference, _transformers_logits
 from tests.test_merge import IDS, _adapter
@@ -45,10 +46,20 @@ SHAPES: dict[str, dict[str, object]] = {
         "no_rope_layers": [1, 1, 1, 0],
         "use_sliding_window": False,
     },
+    "phi3": {},  # hf_tiny's: 3/4 of each head rotates, LongRoPE, a window of 5
+    # what transformers' loader reads of a Phi-3 GGUF: whole-head rotary, plain rope, no window
+    "phi3-tf": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 7000.0},
+        "partial_rotary_factor": 1.0,
+        "sliding_window": None,
+    },
 }
-ARCH = {"mistral": "llama"} | {f: f for f in ("gemma2", "olmo2", "granite", "smollm3")}
-# transformers' GGUF loader reads none of these architectures: mesp's reader is the check
-MESP_ONLY = ["olmo2", "granite", "smollm3"]
+ARCH = {"mistral": "llama"} | {f: f for f in ("gemma2", "olmo2", "granite", "smollm3", "phi3")}
+# transformers' GGUF loader reads none of these architectures (Phi-3: not its rotary part,
+# LongRoPE or window): mesp's reader is the check
+MESP_ONLY = ["olmo2", "granite", "smollm3", "phi3"]
+# PEFT's leaf -> llama.cpp's; Phi-3's fused linears are written fused
+GGUF_LEAVES = {**LEAVES, "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}
 
 
 def _base(tmp: Path, case: str) -> Path:
@@ -65,7 +76,7 @@ def _edit_config(base: Path, **keys: object) -> None:
     (base / "config.json").write_text(json.dumps({**cfg, **keys}))
 
 
-@pytest.mark.parametrize("case", ["mistral", "gemma2-tf"])
+@pytest.mark.parametrize("case", ["mistral", "gemma2-tf", "phi3-tf"])
 def test_merged_gguf_in_transformers_equals_base_plus_adapter(case: str, tmp_path: Path) -> None:
     import transformers
 
@@ -76,7 +87,7 @@ def test_merged_gguf_in_transformers_equals_base_plus_adapter(case: str, tmp_pat
     cfg = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=out.name)
     # transformers' Mistral patch tests `"mistral" in [general.name]` (list membership), so
     # only a file named exactly "mistral" loads as Mistral; as llama the math is the same
-    assert cfg.model_type == {"mistral": "llama"}.get(case, "gemma2")
+    assert cfg.model_type == {"mistral": "llama", "phi3-tf": "phi3"}.get(case, "gemma2")
     reader = gguf.GGUFReader(out)
     assert reader.fields["general.architecture"].contents() == ARCH[case.removesuffix("-tf")]
 
@@ -102,6 +113,19 @@ def test_merged_gguf_in_mesp_equals_base_plus_adapter(case: str, tmp_path: Path)
             assert fields[f"granite.{key}"].contents() == pytest.approx(value)
     if case == "smollm3":
         assert back.model.config.rope_layers == [True, True, True, False]
+    if case == "phi3":  # Phi3MiniModel's keys and LongRoPE's two factor tensors
+        assert fields["phi3.rope.dimension_count"].contents() == 18
+        assert fields["phi3.attention.sliding_window"].contents() == 5
+        assert fields["phi3.rope.scaling.original_context_length"].contents() == 16
+        assert fields["phi3.rope.scaling.attn_factor"].contents() == pytest.approx(2**0.5)
+        names = {t.name for t in gguf.GGUFReader(out).tensors}
+        assert {"rope_factors_long.weight", "blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= names
+        got, want = back.model.config.rope["full_attention"], load_model(base).model.config.rope
+        want = want["full_attention"]  # the factors come back as the file's float32
+        assert (got.kind, got.partial_rotary_factor) == ("longrope", 0.75)
+        assert got.original_max_position_embeddings == 16
+        assert got.long_factor == pytest.approx(want.long_factor, rel=1e-7)
+        assert got.short_factor == pytest.approx(want.short_factor, rel=1e-7)
 
 
 # the export's only per-family step is PERMUTED's q/k rows: Mistral and Gemma 2 cover both
@@ -122,11 +146,12 @@ def test_adapter_gguf_applies_to_the_base_gguf(case: str, tmp_path: Path) -> Non
     names = set()
     for key, a in peft.items():
         if ".lora_A." in key:
-            name = f"blk.{key.split('.')[4]}.{LEAVES[key.split('.')[-3]]}.weight"
+            name = f"blk.{key.split('.')[4]}.{GGUF_LEAVES[key.split('.')[-3]]}.weight"
             names.add(name)
             np.testing.assert_array_equal(got[f"{name}.lora_a"], a)
     n_layers = int(SHAPES[case].get("num_hidden_layers", 2))  # type: ignore[call-overload]
-    assert {n.rsplit(".", 1)[0] for n in got} == names and len(names) == n_layers * 7
+    assert {n.rsplit(".", 1)[0] for n in got} == names
+    assert len(names) == n_layers * n_lora(case)
     merged = _tensors(_merge(base, tmp_path, "m.gguf"))
     save_file(  # B zeroed: the adapter merges to the base itself
         {k: np.zeros_like(v) if ".lora_B." in k else v for k, v in peft.items()},
@@ -154,6 +179,12 @@ def test_adapter_gguf_applies_to_the_base_gguf(case: str, tmp_path: Path) -> Non
         ("smollm3", {}, "every 4th layer"),  # hf_tiny's alternating NoPE layers
         ("smollm3", {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}, "sliding window"),
         ("granite", {"head_dim": 12}, "head_dim"),
+        ("phi3", {"head_dim": 12}, "head_dim"),
+        (
+            "phi3",
+            {"rope_parameters": {**phi3_extras(BASE)["rope_parameters"], "attention_factor": 1.1}},
+            "attention factor",
+        ),
     ],
 )
 def test_what_llama_cpp_cannot_express_is_refused_in_one_line(
@@ -193,3 +224,18 @@ def test_base_gguf_in_mesp_has_the_transformers_logits(case: str, tmp_path: Path
     with torch.no_grad():
         want, got = hf(IDS).logits, load_model(out).model(IDS)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_phi3_fused_qkv_takes_llama_quantizes_type() -> None:
+    """llama-quantize's rule for a fused attn_qkv.weight (llama_tensor_get_type): Q5_K in a
+    q4_k_m file, Q6_K in q5_k_m, the file's own Q6_K in q6_k; in every layer."""
+    from gguf import GGMLQuantizationType as QT
+
+    from mesp.convert.gguf_mix import mix_type
+
+    for layer in range(8):
+        name, shape = f"blk.{layer}.attn_qkv.weight", (768, 256)
+        assert mix_type(name, shape, "q4_k_m", 8, False) == QT.Q5_K
+        assert mix_type(name, shape, "q5_k_m", 8, False) == QT.Q6_K
+        assert mix_type(name, shape, "q6_k", 8, False) == QT.Q6_K
+        assert mix_type(f"blk.{layer}.ffn_up.weight", shape, "q4_k_m", 8, False) == QT.Q4_K

@@ -6,7 +6,8 @@ For the three file types mesp writes, the rules are:
 - output.weight, and token_embd.weight when there is no output.weight (tied embeddings):
   Q6_K, or Q8_0 when the row length is not a multiple of 256;
 - q4_k_m / q5_k_m: attn_v.weight and ffn_down.weight of the "use_more_bits" layers get Q6_K:
-  the first and last eighth of the layers and every third layer between;
+  the first and last eighth of the layers and every third layer between; a fused
+  attn_qkv.weight (Phi-3) gets Q5_K / Q6_K in every layer;
 - every other 2-D weight (token_embd of an untied model included): the file type's own
   (Q4_K / Q5_K / Q6_K); 1-D tensors and norms stay F32 (llama.cpp quantizes neither).
 Then the shape fallback: a row length that 256 does not divide gets Q4_K -> Q5_0,
@@ -67,6 +68,8 @@ def mix_type(name: str, shape: tuple[int, ...], mix: str, n_layer: int, tied: bo
         and use_more_bits(int(layer.group(1)), n_layer)
     ):
         qtype = QT.Q6_K
+    elif "attn_qkv.weight" in name and mix in ("q4_k_m", "q5_k_m"):  # Phi-3's fused q|k|v
+        qtype = QT.Q5_K if mix == "q4_k_m" else QT.Q6_K
     else:
         qtype = own
     return fits(qtype, ncols)

@@ -9,7 +9,10 @@ What the converter does, and so what we do (mesp/loading/gguf.py undoes each on 
 - what llama.cpp fixes in code instead of reading a key (Gemma 2's rope base and scale, SmolLM3's
   NoPE step, Mistral's missing window) must match, else the model is refused (`check_writable`);
 - Llama 3 rope scaling becomes a `rope_freqs.weight` tensor of per-frequency divisors
-  (`LlamaModel.generate_extra_tensors`);
+  (`LlamaModel.generate_extra_tensors`); Phi-3's LongRoPE factor sets become
+  `rope_factors_long` / `rope_factors_short` with its attention factor as a key
+  (`Phi3MiniModel.generate_extra_tensors`); Phi-3's fused qkv / gate_up are written as they are
+  (attn_qkv, ffn_up holding gate | up);
 - 1-D tensors and norms stay F32; 2-D ones take the chosen type, and a row length that the
   block size does not divide falls back to F16 (the converter's fallback);
 - the k-quant types (q4_k_m, q5_k_m, q6_k) are what llama-quantize would make of that file:
@@ -62,6 +65,7 @@ ARCHS = {
     "olmo2": gguf.MODEL_ARCH.OLMO2,
     "granite": gguf.MODEL_ARCH.GRANITE,
     "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
 }
 # families written by LlamaModel subclasses: q/k rows permuted (llama.cpp's interleaved rope),
 # vocab size and rope dimension count as keys
@@ -90,6 +94,8 @@ def check_writable(cfg: ModelConfig) -> None:
         raise MespError("a Granite GGUF has no head_dim key: GraniteModel drops it (hidden/heads)")
     if cfg.family == "olmo2" and SLIDING in cfg.layer_types:
         raise MespError("an OLMo 2 GGUF has no sliding window")
+    if cfg.family == "phi3":
+        check_phi3(cfg)
     if cfg.family == "gemma2":
         # Gemma2Model writes no rope base, and llama.cpp fixes the scale and layer pattern
         assumed = cfg.hidden_size // cfg.num_attention_heads if n == 46 else cfg.head_dim
@@ -104,6 +110,41 @@ def check_writable(cfg: ModelConfig) -> None:
             raise MespError("a Gemma 2 GGUF slides on even layers only (llama.cpp's pattern)")
         if not (cfg.attn_logit_softcapping and cfg.final_logit_softcapping):
             raise MespError("a Gemma 2 GGUF needs both soft-caps (llama.cpp always applies them)")
+
+
+def phi3_attn_factor(cfg: ModelConfig) -> float:
+    """The attention factor Phi3MiniModel writes: from max_position / original context."""
+    r = cfg.rope[FULL]
+    scale = cfg.max_position_embeddings / r.original_max_position_embeddings
+    return (
+        math.sqrt(1 + math.log(scale) / math.log(r.original_max_position_embeddings))
+        if (scale > 1.0)
+        else 1.0
+    )
+
+
+def check_phi3(cfg: ModelConfig) -> None:
+    """Phi3MiniModel writes no head_dim (llama.cpp takes hidden / heads, and the rotary dims
+    from it) and derives LongRoPE's attention factor from the context lengths."""
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise MespError("a Phi-3 GGUF has no head_dim key: llama.cpp takes hidden / heads")
+    r = cfg.rope[FULL]
+    if r.kind == "longrope" and not math.isclose(r.attention_factor, phi3_attn_factor(cfg)):
+        raise MespError(
+            f"a Phi-3 GGUF has LongRoPE's attention factor from the context lengths "
+            f"({phi3_attn_factor(cfg):.6g}), not {r.attention_factor:.6g}"
+        )
+
+
+def phi3_rope_factors(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's two factor sets, float32."""
+    r = cfg.rope[FULL]
+    if cfg.family != "phi3" or r.kind != "longrope":
+        return {}
+    return {
+        "rope_factors_long.weight": np.asarray(r.long_factor, dtype=np.float32),
+        "rope_factors_short.weight": np.asarray(r.short_factor, dtype=np.float32),
+    }
 
 
 def gguf_names(cfg: ModelConfig, hf_names: Iterable[str]) -> dict[str, str]:
@@ -172,6 +213,19 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     if cfg.family in PERMUTED:  # LlamaModel: vocab size, head_dim as the rope dimension count
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.head_dim)
+    elif cfg.family == "phi3":  # Phi3MiniModel: the rotary dims, original context, window (0:
+        # none), LongRoPE's attention factor; no head_dim, no vocab size
+        r = cfg.rope[FULL]
+        w.add_rope_dimension_count(
+            int(r.partial_rotary_factor * cfg.hidden_size) // cfg.num_attention_heads
+        )
+        long = r.kind == "longrope"
+        w.add_rope_scaling_orig_ctx_len(
+            r.original_max_position_embeddings if long else cfg.max_position_embeddings
+        )
+        w.add_sliding_window(cfg.sliding_window or 0)
+        if long:
+            w.add_rope_scaling_attn_factors(phi3_attn_factor(cfg))
     else:  # TextModel writes head_dim as key/value length when the config has one
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -181,6 +235,8 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
         w.add_rope_scaling_factor(rope.factor)
     elif rope.kind == "llama3" and cfg.family not in ROPE_FREQS:
         raise MespError(f"llama3 rope scaling has no GGUF form for {cfg.family}")
+    elif rope.kind == "longrope" and cfg.family != "phi3":
+        raise MespError(f"longrope has no GGUF form for {cfg.family}")
     if cfg.family == "granite":  # GraniteModel: the multipliers as *_scale, each when non-zero
         for value, add in (
             (cfg.attention_multiplier, w.add_attention_scale),
@@ -253,6 +309,8 @@ def write_model_gguf(
     freqs = llama3_rope_freqs(cfg)
     if freqs is not None:
         plan.append(("rope_freqs.weight", freqs.shape, QT.F32, lambda: freqs))
+    for gname, factors in phi3_rope_factors(cfg).items():
+        plan.append((gname, factors.shape, QT.F32, lambda f=factors: f))
 
     def write(path: str) -> None:
         w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCHS[cfg.family]])

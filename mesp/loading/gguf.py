@@ -29,14 +29,23 @@ from mesp.loading.gguf_hf import (
     GLOBAL,
     LAYER,
     OLMO_LAYER,
+    PHI3_LAYER,
     REQUIRED,
+    ROPE_FACTORS,
     hf_config,
     llama3_rope_scaling,
+    phi3_rope_scaling,
     shown,
     undo_converter,
 )
 from mesp.loading.gguf_tokenizer import tokenizer_from_gguf
 from mesp.loading.tokenizer import Tokenizer
+
+# tensors beyond the blocks' and GLOBAL's that an architecture's file may hold, folded into the
+# config: Llama 3's rope_freqs, Phi-3's LongRoPE factor sets
+EXTRA = {("rope_freqs.weight", "llama"), ("rope_freqs.weight", "smollm3")} | {
+    (n, "phi3") for n in ROPE_FACTORS
+}
 
 
 class GGUFFile:
@@ -73,7 +82,12 @@ class GGUFFile:
         except (TypeError, ValueError) as e:  # a key holding the wrong kind of value
             raise MespError(f"{where}: bad metadata value: {e}") from None
         self.tokenizer = tokenizer_from_gguf(meta, where)
-        maps = {"gemma3": GEMMA_LAYER, "gemma2": GEMMA_LAYER, "olmo2": OLMO_LAYER}
+        maps = {
+            "gemma3": GEMMA_LAYER,
+            "gemma2": GEMMA_LAYER,
+            "olmo2": OLMO_LAYER,
+            "phi3": PHI3_LAYER,
+        }
         layer_map = maps.get(arch, LAYER)
         n_layers = cfg["num_hidden_layers"]
         wanted = [f"blk.{i}.{t}.weight" for i in range(n_layers) for t in REQUIRED[arch]]
@@ -89,12 +103,15 @@ class GGUFFile:
                 self._by_hf[GLOBAL[name]] = name
             elif blk == "blk" and layer.isdigit() and int(layer) < n_layers and leaf in layer_map:
                 self._by_hf[f"model.layers.{layer}.{layer_map[leaf]}"] = name
-            elif name != "rope_freqs.weight" or arch not in ("llama", "smollm3"):
+            elif (name, arch) not in EXTRA:
                 raise MespError(f"{where}: unexpected tensor {shown(name)} for architecture {arch}")
         self._infos, self._arch, self.config = infos, arch, cfg
         if "rope_freqs.weight" in infos:  # Llama 3 rope scaling, folded into the config
             freqs = self._values("rope_freqs.weight").astype(np.float64)
             cfg["rope_scaling"] = llama3_rope_scaling(freqs, cfg, where)
+        if arch == "phi3" and all(n in infos for n in ROPE_FACTORS):  # LongRoPE
+            long, short = (self._values(n).astype(np.float64) for n in ROPE_FACTORS)
+            cfg["rope_scaling"] = phi3_rope_scaling(long, short, cfg, where)
 
     def _values(self, name: str) -> np.ndarray:
         if self._buf is None:

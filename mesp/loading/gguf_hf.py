@@ -23,6 +23,7 @@ ARCHS = {
     "olmo2": "olmo2",
     "granite": "granite",
     "smollm3": "smollm3",
+    "phi3": "phi3",
 }
 # converted by LlamaModel subclasses: q/k rows permuted for llama.cpp's interleaved rope
 PERMUTED = ("llama", "granite", "smollm3")
@@ -65,6 +66,16 @@ OLMO_LAYER = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3: fused q | k | v and gate | up, written as they are (attn_qkv; ffn_up holds gate | up)
+PHI3_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 REQUIRED = {
     "llama": _CORE,
     "qwen2": _CORE,
@@ -76,6 +87,7 @@ REQUIRED = {
     "olmo2": [n for n in _CORE if n not in ("attn_norm", "ffn_norm")]
     + _QK_NORM
     + ["post_attention_norm", "post_ffw_norm"],
+    "phi3": [k.removesuffix(".weight") for k in PHI3_LAYER],
 }
 NORM_SHIFTED = ("gemma3", "gemma2")
 
@@ -170,6 +182,8 @@ def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str
         n = cfg["num_hidden_layers"]
         cfg["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(n)]
         cfg["use_sliding_window"] = False
+    if arch == "phi3":
+        cfg.update(phi3_config(get, hidden, heads))
     if arch == "gemma2":  # llama.cpp's LLM_ARCH_GEMMA2 hparams, their defaults where absent
         # sliding on even layers; scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) at 27B (46)
         del cfg["hidden_act"]
@@ -186,6 +200,39 @@ def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str
             }
         )
     return cfg
+
+
+def phi3_config(get: Any, hidden: int, heads: int) -> dict[str, Any]:
+    """Phi3MiniModel's keys: head_dim is hidden / heads (rope.dimension_count is the rotary
+    part: partial_rotary_factor = it / head_dim), a window of 0 is none. LongRoPE's factor
+    sets are tensors, read by the loader (phi3_rope_scaling)."""
+    head_dim = hidden // heads
+    rot = int(get("rope.dimension_count", head_dim))
+    win = int(get("attention.sliding_window", 0))
+    ctx = int(get("context_length"))
+    return {
+        "head_dim": head_dim,
+        "partial_rotary_factor": rot / head_dim,
+        "sliding_window": win or None,
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length", ctx)),
+        "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
+        "rope_scaling": None,
+    }
+
+
+def phi3_rope_scaling(long: np.ndarray, short: np.ndarray, cfg: dict, where: str) -> dict:
+    """LongRoPE from llama.cpp's two factor tensors and the attention factor key."""
+    n = len(range(0, int(cfg["head_dim"] * cfg["partial_rotary_factor"]), 2))
+    if long.shape != (n,) or short.shape != (n,):
+        raise MespError(f"{where}: rope_factors_long / rope_factors_short need {n} values each")
+    return {
+        "rope_type": "longrope",
+        "rope_theta": cfg["rope_theta"],
+        "long_factor": [float(x) for x in long],
+        "short_factor": [float(x) for x in short],
+        "attention_factor": cfg["attention_factor"],
+        "partial_rotary_factor": cfg["partial_rotary_factor"],
+    }
 
 
 def llama3_rope_scaling(factors: np.ndarray, cfg: dict, where: str) -> dict | None:
