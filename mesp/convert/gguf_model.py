@@ -42,6 +42,7 @@ from mesp.config import FULL, SLIDING, ModelConfig
 from mesp.convert.gguf_mix import MIXES, mix_type, quantize
 from mesp.convert.gguf_spm import KV
 from mesp.errors import MespError
+from mesp.ops.rope import rot_dim
 
 # --gguf-type -> (tensor type of 2-D weights, general.file_type)
 GGUF_TYPES = {
@@ -129,11 +130,22 @@ def check_phi3(cfg: ModelConfig) -> None:
     if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise MespError("a Phi-3 GGUF has no head_dim key: llama.cpp takes hidden / heads")
     r = cfg.rope[FULL]
+    if phi3_rope_dims(cfg) != rot_dim(r, cfg.head_dim):
+        raise MespError(
+            f"a Phi-3 GGUF rotates int(factor·hidden)//heads = {phi3_rope_dims(cfg)} dims per "
+            f"head, this model {rot_dim(r, cfg.head_dim)}"
+        )
     if r.kind == "longrope" and not math.isclose(r.attention_factor, phi3_attn_factor(cfg)):
         raise MespError(
             f"a Phi-3 GGUF has LongRoPE's attention factor from the context lengths "
             f"({phi3_attn_factor(cfg):.6g}), not {r.attention_factor:.6g}"
         )
+
+
+def phi3_rope_dims(cfg: ModelConfig) -> int:
+    """The rotary dims Phi3MiniModel writes: int(partial_rotary_factor · hidden) // heads."""
+    r = cfg.rope[FULL]
+    return int(r.partial_rotary_factor * cfg.hidden_size) // cfg.num_attention_heads
 
 
 def phi3_rope_factors(cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -216,9 +228,7 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     elif cfg.family == "phi3":  # Phi3MiniModel: the rotary dims, original context, window (0:
         # none), LongRoPE's attention factor; no head_dim, no vocab size
         r = cfg.rope[FULL]
-        w.add_rope_dimension_count(
-            int(r.partial_rotary_factor * cfg.hidden_size) // cfg.num_attention_heads
-        )
+        w.add_rope_dimension_count(phi3_rope_dims(cfg))
         long = r.kind == "longrope"
         w.add_rope_scaling_orig_ctx_len(
             r.original_max_position_embeddings if long else cfg.max_position_embeddings
