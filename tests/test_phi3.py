@@ -223,3 +223,28 @@ def test_info_names_phi3s_pieces_and_export_refuses(
     argv = ["export", "--model", str(base), "--adapter", str(ad), "--out", str(tmp_path / "x")]
     assert main([*argv, "--seq-len", "8"]) == 2
     assert "fused qkv_proj / gate_up_proj" in capsys.readouterr().err
+
+
+def test_cached_decoding_follows_transformers_past_the_switch() -> None:
+    """Decoding one token at a time with the KV cache, past the window (5) and past the original
+    context (16): each step's logits are transformers' own cached decoding's. Its factor set
+    follows the whole length, so from token 17 on the new keys rotate with the long factors
+    while the cached ones keep the short: not the full forward's logits, as in transformers."""
+    from mesp.models.transformer import KVCache
+
+    hf = hf_model("phi3")
+    m = mesp_from_hf(hf)
+    ids = torch.randint(0, 211, (1, 22), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = hf(ids[:, :3], use_cache=True)
+        ref, hf_cache = [out.logits[0, -1]], out.cache
+        for t in range(3, 22):
+            out = hf(ids[:, t : t + 1], cache=hf_cache, use_cache=True)
+            ref.append(out.logits[0, -1])
+            hf_cache = out.cache
+        cache = KVCache(k=[None] * 2, v=[None] * 2)
+        got = [m(ids[:, :3], cache=cache, start=0)[0, -1]]
+        got += [m(ids[:, t : t + 1], cache=cache, start=t)[0, -1] for t in range(3, 22)]
+        full = m(ids)[0, 2:]
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref), atol=1e-5, rtol=0)
+    assert not torch.allclose(torch.stack(got)[-1], full[-1], atol=1e-3)
