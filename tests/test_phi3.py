@@ -17,6 +17,7 @@ from mesp.engines import make_engine
 from mesp.errors import MespError
 from mesp.lora import LoraConfig, apply_lora, save_adapter
 from mesp.models.transformer import MLP
+from mesp.quant import QuantSpec
 from tests.engine_cases import (
     assert_grads_match,
     check_engine_against_hf_peft,
@@ -204,11 +205,11 @@ def test_cli_trains_quantized(bits: str, tmp_path: Path) -> None:
     assert sorted(conf["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
 
 
-def test_info_names_phi3s_pieces_and_export_refuses(
+def test_info_names_phi3s_pieces_and_export_writes(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """`mesp info` names the fused linears, the partial rotary and LongRoPE; `mesp export`
-    refuses Phi-3 in one line (exit 2): its programs write separate q/k/v and gate/up."""
+    writes the on-device programs (test_export_runner_trains_like_the_engine trains them)."""
     from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
 
     base = make_model_dir(tmp_path / "m", "phi3")
@@ -221,8 +222,46 @@ def test_info_names_phi3s_pieces_and_export_refuses(
     data = make_jsonl(tmp_path / "d.jsonl", 4)
     assert main(train_argv(base, data, ad, steps=1, seq_len=16, quantize="none")) == 0
     argv = ["export", "--model", str(base), "--adapter", str(ad), "--out", str(tmp_path / "x")]
-    assert main([*argv, "--seq-len", "8"]) == 2
-    assert "fused qkv_proj / gate_up_proj" in capsys.readouterr().err
+    assert main([*argv, "--seq-len", "8"]) == 0
+    conf = json.loads((tmp_path / "x" / "run_config.json").read_text())
+    assert conf["model"]["family"] == "phi3"
+
+
+class _Exported:
+    """What tests/test_export.py's engine reference reads of a case: the model and its start."""
+
+    def __init__(self, model: torch.nn.Module, vchunk: int) -> None:
+        self.model, self.vchunk = model, vchunk
+        self.init = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.init[n])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", [None, QuantSpec(4, 32)], ids=["dense", "q4"])
+def test_export_runner_trains_like_the_engine(quant: QuantSpec | None, tmp_path: Path) -> None:
+    """`mesp export`'s programs (the fused linears split and their backward concatenated, the
+    partial rotary, LongRoPE's long set: original context 8 < 12 tokens, window 5): 20 SGD steps
+    of the model-free runner give the engine's losses (1e-6) and its final adapter."""
+    from mesp.ondevice import runner
+    from mesp.ondevice.export import ExportOptions, export_model
+    from tests.test_export import LR, STEPS, B, S, _engine_run, _rows
+
+    model = model_with_adapter("phi3", quant, original_max_position_embeddings=8)
+    export_model(model, tmp_path / "art", ExportOptions(S, B, 64))
+    art = runner.Artifacts(tmp_path / "art")
+    rows = _rows()
+    trainer, losses = runner.train(art, rows, runner.RunConfig(STEPS, LR))
+    ref = _engine_run(_Exported(model, 64), rows, STEPS)
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= 1e-6, (losses, ref)
+    assert losses[-1] < losses[0]
+    params = dict(model.named_parameters())
+    for i, lora in enumerate(trainer.lora):
+        for k, p in lora.items():
+            torch.testing.assert_close(p, params[f"model.layers.{i}.{k}"], rtol=0, atol=1e-6)
 
 
 def test_cached_decoding_follows_transformers_past_the_switch() -> None:

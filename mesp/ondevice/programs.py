@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mesp.errors import MespError
 from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
 from mesp.ops.attention import attention, attention_bwd, attention_fwd
 from mesp.ops.lora_linear import lora_linear_backward
@@ -43,7 +42,10 @@ PARENT = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+    "qkv_proj": "self_attn",  # Phi-3's fused linears
+    "gate_up_proj": "mlp",
 }
+FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class BlockSpec:
     post_norms: bool = False  # OLMo 2: no input norm, a norm on each branch before its add
     qk_whole: bool = False  # OLMo 2: q/k norms over the whole projection (rms_norm_heads)
     softcap: float | None = None  # Gemma 2: attention scores cap·tanh(s/cap), chunked path only
+    fused: bool = False  # Phi-3: one qkv_proj (q | k | v), one gate_up_proj (gate | up)
 
     def lin(self, name: str) -> WeightSpec:
         return dict(self.linears)[name]
@@ -129,13 +132,8 @@ class BlockSpec:
     @classmethod
     def of(cls, model: CausalLM, block: Block, masked: bool) -> BlockSpec:
         cfg, spec, at = model.config, model.spec, block.self_attn
-        if spec.fused_proj:  # the programs write q/k/v and gate/up as separate linears
-            raise MespError(
-                f"mesp export does not build {cfg.family}'s fused qkv_proj / gate_up_proj "
-                "programs yet (train, merge and export-adapter work)"
-            )
         lins = []
-        for name in LORA_TARGETS:
+        for name in FUSED_LINEARS if spec.fused_proj else LORA_TARGETS:
             mod = getattr(at if PARENT[name] == "self_attn" else block.mlp, name)
             scale = mod.lora_scale if mod.lora_A is not None else None
             ws = WeightSpec(f"{PARENT[name]}.{name}", mod.quant, mod.bias is not None, scale)
@@ -157,6 +155,7 @@ class BlockSpec:
             post_norms=spec.post_norms,
             qk_whole=spec.qk_norm_whole,
             softcap=at.softcap or None,
+            fused=spec.fused_proj,
         )
 
 
@@ -196,6 +195,14 @@ def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> T
     return y
 
 
+def _project(bs: BlockSpec, x: Tensor, w: Tensors, lora: Tensors) -> tuple[Tensor, ...]:
+    """Attention.project: the q, k, v projections (Phi-3: one linear, split q | k | v)."""
+    if not bs.fused:
+        return tuple(_linear(bs, n, x, w, lora) for n in ("q_proj", "k_proj", "v_proj"))
+    q_out, kv_out = bs.n_heads * bs.head_dim, bs.n_kv * bs.head_dim
+    return _linear(bs, "qkv_proj", x, w, lora).split([q_out, kv_out, kv_out], dim=-1)
+
+
 def _norm(bs: BlockSpec, x: Tensor, w: Tensors, name: str) -> Tensor:
     return rms_norm(x, w[f"{name}.weight"], bs.eps, bs.norm_offset)
 
@@ -225,9 +232,10 @@ def block_forward(
     b, s, _ = x.shape
     mask = ctx.get("mask")
     n1 = x if bs.post_norms else _norm(bs, x, w, "input_layernorm")
-    q = _linear(bs, "q_proj", n1, w, lora).view(b, s, bs.n_heads, bs.head_dim).transpose(1, 2)
-    k = _linear(bs, "k_proj", n1, w, lora).view(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
-    v = _linear(bs, "v_proj", n1, w, lora).view(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
+    q, k, v = _project(bs, n1, w, lora)
+    q = q.reshape(b, s, bs.n_heads, bs.head_dim).transpose(1, 2)
+    k = k.reshape(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
+    v = v.reshape(b, s, bs.n_kv, bs.head_dim).transpose(1, 2)
     if bs.qk_norm:
         if tape is not None:
             tape["q_lin"], tape["k_lin"] = q, k
@@ -250,7 +258,10 @@ def block_forward(
     else:
         x2 = x + _branch(bs, a)
         n2 = _norm(bs, x2, w, "post_attention_layernorm")
-    gate, up = _linear(bs, "gate_proj", n2, w, lora), _linear(bs, "up_proj", n2, w, lora)
+    if bs.fused:  # MLP.gate_up
+        gate, up = _linear(bs, "gate_up_proj", n2, w, lora).chunk(2, dim=-1)
+    else:
+        gate, up = _linear(bs, "gate_proj", n2, w, lora), _linear(bs, "up_proj", n2, w, lora)
     if tape is not None:
         tape["gate"], tape["up"] = gate, up
     d = _linear(bs, "down_proj", gated_act(gate, up, bs.act), w, lora)
@@ -298,10 +309,16 @@ def block_backward(
     dgate, dup = gated_act_backward(dm, gate, up, bs.act)
     del dm, gate, up
     n2 = saved["x2"] if bs.post_norms else saved.pop("n2")
-    dn2 = _lin_bwd(bs, "gate_proj", dgate, n2, w, lora, grads)
-    del dgate
-    dn2 += _lin_bwd(bs, "up_proj", dup, n2, w, lora, grads)
-    del dup, n2
+    if bs.fused:  # the split's backward: [dgate | dup] into the fused linear
+        dgu = torch.cat([dgate, dup], dim=-1)
+        del dgate, dup
+        dn2 = _lin_bwd(bs, "gate_up_proj", dgu, n2, w, lora, grads)
+        del dgu, n2
+    else:
+        dn2 = _lin_bwd(bs, "gate_proj", dgate, n2, w, lora, grads)
+        del dgate
+        dn2 += _lin_bwd(bs, "up_proj", dup, n2, w, lora, grads)
+        del dup, n2
     x2 = saved.pop("x2")
     if bs.post_norms:  # n2 = x2: no pre-MLP norm
         dx2 = dy + dn2
@@ -341,15 +358,21 @@ def block_backward(
     def flat(g: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, H·D)
         return g.transpose(1, 2).reshape(b, s, -1)
 
-    dn1 = _lin_bwd(bs, "q_proj", flat(dq), n1, w, lora, grads)
-    del dq
-    dk_in = _lin_bwd(bs, "k_proj", flat(dk), n1, w, lora, grads)
-    del dk
-    dv_in = _lin_bwd(bs, "v_proj", flat(dv), n1, w, lora, grads)
-    del dv, n1
-    dn1 += dk_in
-    dn1 += dv_in
-    del dk_in, dv_in
+    if bs.fused:  # the split's backward: [dq | dk | dv] into the fused linear
+        dqkv = torch.cat([flat(dq), flat(dk), flat(dv)], dim=-1)
+        del dq, dk, dv
+        dn1 = _lin_bwd(bs, "qkv_proj", dqkv, n1, w, lora, grads)
+        del dqkv, n1
+    else:
+        dn1 = _lin_bwd(bs, "q_proj", flat(dq), n1, w, lora, grads)
+        del dq
+        dk_in = _lin_bwd(bs, "k_proj", flat(dk), n1, w, lora, grads)
+        del dk
+        dv_in = _lin_bwd(bs, "v_proj", flat(dv), n1, w, lora, grads)
+        del dv, n1
+        dn1 += dk_in
+        dn1 += dv_in
+        del dk_in, dv_in
     return dx2.add_(dn1 if bs.post_norms else nb(dn1, x, "input_layernorm")), grads
 
 
