@@ -218,6 +218,7 @@ def test_info_names_phi3s_pieces_and_export_writes(
     assert "fused        qkv_proj (q | k | v), gate_up_proj (gate | up)" in out
     assert "rotary       18 of 24 dims per head" in out
     assert "rope         longrope: long factors past 16 tokens, cos/sin × 1.414" in out
+    assert "parameters at rank 8 on qkv_proj,o_proj,gate_up_proj,down_proj" in out
     ad = tmp_path / "ad"
     data = make_jsonl(tmp_path / "d.jsonl", 4)
     assert main(train_argv(base, data, ad, steps=1, seq_len=16, quantize="none")) == 0

@@ -12,7 +12,7 @@ from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import lora_param_count
 from mesp.models import FAMILIES
 from mesp.models.linear import FrozenWeight
-from mesp.models.transformer import LORA_TARGETS, CausalLM
+from mesp.models.transformer import LORA_TARGETS, CausalLM, is_target
 from mesp.ops.rope import rot_dim
 from mesp.quant import QuantSpec, quantized_bytes
 
@@ -131,11 +131,15 @@ def model_info(opts: ModelOptions, rank: int = 8, targets: tuple[str, ...] = LOR
             f"{cfg.residual_multiplier:g}, attention {cfg.attention_multiplier:g}, "
             f"logits ÷ {cfg.logits_scaling:g}"
         )
+    adapted = targets  # Phi-3: the fused linears the targets stand for
+    if FAMILIES[cfg.family].fused_proj:
+        fused = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        adapted = tuple(n for n in fused if is_target(n, tuple(targets)))
     lines += [
         f"parameters   {wb['params']:,}",
         f"weights      {wb['dense_bytes'] / mb:,.1f} MB in {opts.dtype}, "
         f"{wb['quant_bytes'] / mb:,.1f} MB at {q.bits}-bit group {q.group_size} ({how})",
-        f"LoRA         {lora_n:,} parameters at rank {rank} on {','.join(targets)} "
+        f"LoRA         {lora_n:,} parameters at rank {rank} on {','.join(adapted)} "
         f"({lora_n * 4 / mb:.2f} MB fp32)",
     ]
     return "\n".join(lines + gl)
