@@ -1,9 +1,10 @@
 """How a llama.cpp GGUF maps onto HF's model: the architectures read, the tensor names per
 block and family, the HF config built from the GGUF metadata (Llama 3's rope scaling recovered
-from the baked `rope_freqs`), and the converter's tensor edits undone (the interleaved rotary
-halves of LlamaModel's subclasses, Gemma's 1 + w norm scales), so a GGUF loads as transformers
-loads it; hyperparameters llama.cpp fixes in code (Gemma 2's scale and layer pattern, SmolLM3's
-NoPE step) are filled in as llama.cpp assumes them."""
+from the baked `rope_freqs`, Phi-3's LongRoPE from `rope_factors_long` / `_short`), and the
+converter's tensor edits undone (the interleaved rotary halves of LlamaModel's subclasses,
+Gemma's 1 + w norm scales), so a GGUF loads as transformers loads it; hyperparameters llama.cpp
+fixes in code (Gemma 2's scale and layer pattern, SmolLM3's NoPE step) are filled in as
+llama.cpp assumes them."""
 
 from __future__ import annotations
 
