@@ -205,13 +205,16 @@ def _rows_cut(shape: tuple[int, int]) -> bool:
 
 
 def weight_spans(
-    shape: tuple[int, int], align: int, block_bytes: int = WEIGHT_BLOCK_BYTES
+    shape: tuple[int, int],
+    align: int,
+    block_bytes: int = WEIGHT_BLOCK_BYTES,
+    rows_cut: bool | None = None,
 ) -> tuple[bool, list[slice]]:
     """How W (out, in) = shape is cut: (rows_cut, spans), spans of rows when W is cut into rows
-    (out ≥ in), else of columns in whole groups of `align`; each block at most block_bytes of
-    fp32 (or one row / one group where that is more)."""
+    (by default where out ≥ in), else of columns in whole groups of `align`; each block at most
+    block_bytes of fp32 (or one row / one group where that is more)."""
     out_f, in_f = shape
-    rows_cut = _rows_cut(shape)
+    rows_cut = _rows_cut(shape) if rows_cut is None else rows_cut
     n, width, step_align = (out_f, in_f, 1) if rows_cut else (in_f, out_f, align)
     step = max(step_align, block_bytes // (4 * width) // step_align * step_align)
     return rows_cut, [slice(a, min(n, a + step)) for a in range(0, n, step)]
@@ -296,11 +299,13 @@ def matmul_blocks(dy: Tensor, fill: BlockFill, shape: tuple[int, int], align: in
 
 @dataclass(frozen=True)
 class TracedBlocks:
-    """A frozen (out, in) weight handed over in blocks to traced programs (mesp export): the
-    cuts of linear_blocks / matmul_blocks, but each block a fresh tensor from `block(rows,
-    cols, dtype)` and no `out=` writes, so torch.export traces it and the memory planner
-    reuses one block's bytes for the next (node order is lifetime order). Outputs cut along
-    the weight's rows are concatenated; a cut reduction is summed block by block in order."""
+    """A frozen (out, in) weight handed over in blocks to traced programs (mesp export): each
+    block a fresh tensor from `block(rows, cols, dtype)`, no `out=` writes, so torch.export
+    traces it and the memory planner reuses one block's bytes for the next (node order is
+    lifetime order). The cut keeps the reduction whole: x Wᵀ takes W's rows (output columns)
+    and dy W its columns (dx columns), each product concatenated. So every output is one whole
+    dot product as with the whole matrix, and there are no partial sums: a chain of adds would
+    be one XNNPACK partition holding every partial product at once."""
 
     block: Callable[[slice, slice, torch.dtype], Tensor]  # W[rows, cols] in dtype
     shape: tuple[int, int]
@@ -309,26 +314,13 @@ class TracedBlocks:
 
     def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x (..., in) Wᵀ (+ bias)."""
-        rows_cut, spans = weight_spans(self.shape, self.align, self.block_bytes)
+        _, spans = weight_spans(self.shape, self.align, self.block_bytes, rows_cut=True)
         every = slice(0, None)
-        if rows_cut:
-            y = torch.cat([x @ self.block(sp, every, x.dtype).t() for sp in spans], -1)
-        else:
-            y = _summed(x[..., sp] @ self.block(every, sp, x.dtype).t() for sp in spans)
+        y = torch.cat([x @ self.block(sp, every, x.dtype).t() for sp in spans], -1)
         return y if bias is None else y + bias
 
     def matmul(self, dy: Tensor) -> Tensor:
         """dy (..., out) W."""
-        rows_cut, spans = weight_spans(self.shape, self.align, self.block_bytes)
+        _, spans = weight_spans(self.shape, self.align, self.block_bytes, rows_cut=False)
         every = slice(0, None)
-        if rows_cut:
-            return _summed(dy[..., sp] @ self.block(sp, every, dy.dtype) for sp in spans)
         return torch.cat([dy @ self.block(every, sp, dy.dtype) for sp in spans], -1)
-
-
-def _summed(parts: Iterator[Tensor]) -> Tensor:
-    """The parts' sum, left to right (each part freed once added)."""
-    total = next(parts)
-    for p in parts:
-        total = total + p
-    return total
