@@ -25,13 +25,15 @@ def _model(family: str, quant: str):  # type: ignore[no-untyped-def]
     return T.model_with_adapter(family, QuantSpec(4, 32) if quant == "q4" else None)
 
 
-def export_case(family: str, quant: str, out: Path) -> Path:
+def export_case(family: str, quant: str, out: Path, weight_block_kb: int = 0) -> Path:
     """Export the tiny model to `out` (in a worker or in-process), with one torch thread."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops on a shared 2-core machine
     try:
         vchunk = T.CASES[family][1] or 8192
-        opts = ExportOptions(S, B, vchunk, target="executorch", attn_tile=TILE)
+        opts = ExportOptions(
+            S, B, vchunk, target="executorch", attn_tile=TILE, weight_block_kb=weight_block_kb
+        )
         export_model(_model(family, quant), out, opts)
     finally:
         torch.set_num_threads(n)
@@ -55,14 +57,14 @@ def prefetch(cases: list[tuple[str, str]], root: Path) -> None:
 
 
 class EtCase:
-    def __init__(self, family: str, quant: str, root: Path) -> None:
+    def __init__(self, family: str, quant: str, root: Path, weight_block_kb: int = 0) -> None:
         self.family = family
         self.vchunk = T.CASES[family][1] or 8192
         self.model = _model(family, quant)
         self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.dir = root / f"et_{family}_{quant}"
+        self.dir = root / f"et_{family}_{quant}" if not weight_block_kb else root / "et_blocked"
         if not (self.dir / "run_config.json").exists():
-            export_case(family, quant, self.dir)
+            export_case(family, quant, self.dir, weight_block_kb)
         self.art = runner.Artifacts(self.dir)
         self.conf = self.art.conf
 

@@ -70,11 +70,22 @@ class ExportOptions:
     portable: bool = field(
         default=False, metadata={"help": "ExecuTorch: portable kernels only, no XNNPACK delegate"}
     )
+    weight_block_kb: int = field(
+        default=0,
+        metadata={
+            "help": "ExecuTorch: dequantize each 4/8-bit block matrix in blocks of at most KB "
+            "KiB of fp32 (rows for x Wᵀ, columns for dy W) instead of whole; less memory "
+            "inside XNNPACK, more calls (0: whole matrices)",
+            "metavar": "KB",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "vocab_chunk", "attn_tile"):
             if getattr(self, name) < 1:
                 raise MespError(f"--{name.replace('_', '-')} must be positive")
+        if self.weight_block_kb < 0:
+            raise MespError("--weight-block-kb must be 0 (whole matrices) or positive")
         if self.seq_len < 2:
             raise MespError("--seq-len must be at least 2")
         if self.target not in ("torch", "executorch"):
@@ -243,6 +254,7 @@ def export_model(
                 opts.attn_tile,
                 writer,
                 delegate=not opts.portable,
+                weight_block_bytes=opts.weight_block_kb << 10,
             )
         else:
             conf["functions"] = export_functions(

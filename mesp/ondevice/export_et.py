@@ -41,7 +41,6 @@ from mesp.ondevice.steps import (
     loss_start_step,
     sgd_step,
 )
-from mesp.ops.matmul import WEIGHT_BLOCK_BYTES
 from mesp.quant import packed_bytes
 
 VERSION = 2  # 2: the loss as start / slice (/ tail) / finish programs
@@ -52,13 +51,13 @@ def edge_weights(w: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: packed_bytes(v) if v.dtype == torch.int32 else v for k, v in w.items()}
 
 
-def edge_block_spec(bs: BlockSpec, tile: int) -> BlockSpec:
+def edge_block_spec(bs: BlockSpec, tile: int, block_bytes: int = 0) -> BlockSpec:
     """The block spec with the edge formulations: core-ATen unpack, query-tiled attention, and
-    quantized weights dequantized in the engine's blocks (one block's fp32 bytes live at a
-    time: the arena and XNNPACK's packing hold a block, not a whole matrix)."""
-    lins = tuple(
-        (n, replace(ws, core_aten=True, block_bytes=WEIGHT_BLOCK_BYTES)) for n, ws in bs.linears
-    )
+    with block_bytes, quantized weights dequantized in blocks of at most that many fp32 bytes
+    (mesp.ops.matmul.TracedBlocks: XNNPACK then holds a block's values and packing, not a
+    whole matrix's; 0: whole)."""
+    bb = block_bytes or None
+    lins = tuple((n, replace(ws, core_aten=True, block_bytes=bb)) for n, ws in bs.linears)
     return replace(bs, linears=lins, attn_tile=tile)
 
 
@@ -160,6 +159,7 @@ def export_executorch(
     attn_tile: int,
     writer: Any,
     delegate: bool = True,
+    weight_block_bytes: int = 0,
 ) -> dict[str, Any]:
     """Lower every program of a step; returns run_config.json's "executorch" section."""
     if model.dtype != torch.float32:
@@ -172,7 +172,7 @@ def export_executorch(
         w, lora = block_parts(model.layers[i])
         w = edge_weights(w)
         max_lora = max([max_lora, *(t.numel() for t in lora.values())])
-        ebs = edge_block_spec(bs, attn_tile)
+        ebs = edge_block_spec(bs, attn_tile, weight_block_bytes)
         named = {
             **{f"weights/{k}": v for k, v in w.items()},
             **{f"lora/{k}": v for k, v in lora.items()},
@@ -210,6 +210,7 @@ def export_executorch(
         "version": VERSION,
         "backend": "xnnpack" if delegate else "portable",
         "attn_tile": attn_tile,
+        "weight_block_bytes": weight_block_bytes,
         "loss": loss,
         "programs": progs.rows,
         "planned_bytes_max": max(sum(r["planned_bytes"]) for r in progs.rows.values()),
