@@ -41,6 +41,12 @@ class OndeviceConfig:
     group_size: int = 64
     steps: int = 4  # the first is a warm-up: medians over the rest
     lr: float = 1e-4
+    weight_block_kb: int = 0  # mesp export --weight-block-kb (0: whole matrices)
+
+    @property
+    def name(self) -> str:
+        """The row's (and its export's) name: the shape, and its weight blocks if any."""
+        return self.shape + (f"-wb{self.weight_block_kb}" if self.weight_block_kb else "")
 
 
 def export_programs(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
@@ -50,6 +56,8 @@ def export_programs(c: OndeviceConfig, art: Path, timeout: float) -> float | Non
     argv += ["--quantize", str(c.bits), "--group-size", str(c.group_size), "--dtype", "float32"]
     argv += ["--rank", str(c.rank), "--seq-len", str(c.seq), "--batch-size", str(c.batch)]
     argv += ["--target", "executorch", "--out", str(art)]
+    if c.weight_block_kb:
+        argv += ["--weight-block-kb", str(c.weight_block_kb)]
     stamp = art.with_name(art.name + ".argv.json")
     made_by = {"argv": argv, "code": _program_code()}
     if (art / "run_config.json").is_file() and stamp.is_file():
@@ -152,7 +160,7 @@ def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
 def run_ondevice(
     out: Path, c: OndeviceConfig, cmd: str, timeout: float = 3600.0
 ) -> list[dict[str, Any]]:
-    work = out / "runs" / f"ondevice-{c.shape}"
+    work = out / "runs" / f"ondevice-{c.name}"
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     from mesp.bench.method import machine
@@ -171,13 +179,13 @@ def run_ondevice(
         "cpu": machine(),
         "load_before": load,
     }
-    return [write_row(out / "rows" / "ondevice" / f"{c.shape}.json", row, line, "ondevice")]
+    return [write_row(out / "rows" / "ondevice" / f"{c.name}.json", row, line, "ondevice")]
 
 
 def line(r: dict[str, Any]) -> str:
     n, e = r["native"], r["engine"]
     return (
-        f"{r['config']['shape']}: native {n['median_s']:.2f} s/step, peak anon "
+        f"{_shape(r['config'])}: native {n['median_s']:.2f} s/step, peak anon "
         f"{n['peak_anon_bytes'] / 1e6:.1f} MB (VmHWM {n['peak_rss_bytes'] / 1e6:.1f} MB); "
         f"engine {e['median_s']:.2f} s/step, peak RSS {e['peak_rss_bytes'] / 1e6:.1f} MB"
     )
@@ -206,7 +214,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         anon = n["peak_anon_bytes"] / 1e6
         big = max(n["planned_bytes"].items(), key=lambda kv: kv[1])
         lines.append(
-            f"| {c['shape']} | {c['seq']} | {c['bits']} | {n['median_s']:.2f} | "
+            f"| {_shape(c)} | {c['seq']} | {c['bits']} | {n['median_s']:.2f} | "
             f"{e['median_s']:.2f} | {n['median_s'] / e['median_s']:.2f} | {anon:.1f} | "
             f"{anon / PAPER_MB:.2f}x | {n['peak_rss_bytes'] / 1e6:.1f} | "
             f"{e['peak_rss_bytes'] / 1e6:.1f} | {big[1] / 1e6:.1f} ({big[0]}) | "
@@ -223,13 +231,18 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     ]
     lines += [
         "",
-        f"Planned memory per program (MB), {r['config']['shape']}: {planned}.",
+        f"Planned memory per program (MB), {_shape(r['config'])}: {planned}.",
         *([f"Runner RssAnon (MiB) at each point of step 1: {', '.join(seen)}."] if seen else []),
         "Targets: peak anon ≤ 136 MB, native step ≤ 1.2× the engine's (both measured in one "
         "run, alone on the machine).",
         "",
     ]
     return lines
+
+
+def _shape(c: dict[str, Any]) -> str:
+    kb = c.get("weight_block_kb", 0)
+    return c["shape"] + (f" ({kb} KiB weight blocks)" if kb else "")
 
 
 __all__ = ["OndeviceConfig", "line", "run_ondevice", "section"]

@@ -54,7 +54,7 @@ def run_caps(
     out: Path, c: OndeviceConfig, cmd: str, cap_mb: float | None, find: bool, timeout: float
 ) -> list[dict[str, Any]]:
     c = replace(c, steps=CAP_STEPS) if find else c
-    work = out / "runs" / f"ondevice-{c.shape}"
+    work = out / "runs" / f"ondevice-{c.name}"
     work.mkdir(parents=True, exist_ok=True)
     art = work / "art"
     export_programs(c, art, timeout)
@@ -83,7 +83,7 @@ def run_caps(
             row[f"{name}_cap_mb"] = cap / MB
             row[f"{name}_tries"] = [_summary(t) for t in tried]
     row["command"] = cmd
-    return [write_row(out / "rows" / "ondevice-cap" / f"{c.shape}.json", row, line, "ondevice")]
+    return [write_row(out / "rows" / "ondevice-cap" / f"{c.name}.json", row, line, "ondevice")]
 
 
 def line(r: dict[str, Any]) -> str:

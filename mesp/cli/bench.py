@@ -122,6 +122,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="ondevice: bisect (to 8 MB) the smallest cap in which 3 steps complete, for the "
         "native runner and for mesp train",
     )
+    p.add_argument(
+        "--weight-block-kb",
+        type=int,
+        default=0,
+        help="ondevice: export with mesp export --weight-block-kb KB (0: whole matrices)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument(
@@ -169,8 +175,8 @@ def run(ns: argparse.Namespace) -> int:
     from mesp.bench.tables import BenchOptions, run_table, summary
     from mesp.bench.targets import cpu_dtype
 
-    if ns.table != "ondevice" and (ns.memory_cap is not None or ns.find_cap):
-        raise MespError("--memory-cap and --find-cap are for mesp bench ondevice")
+    if ns.table != "ondevice" and (ns.memory_cap is not None or ns.find_cap or ns.weight_block_kb):
+        raise MespError("--memory-cap, --find-cap, --weight-block-kb are for mesp bench ondevice")
     if ns.table == "dropin":
         return bench_studies.run_dropin(ns)
     if ns.table == "dequant":

@@ -215,6 +215,10 @@ def run_ondevice(ns: argparse.Namespace) -> int:
         parts += ["--memory-cap", f"{ns.memory_cap:g}"]
     if ns.find_cap:
         parts.append("--find-cap")
+    if ns.weight_block_kb < 0:
+        raise MespError("--weight-block-kb must be 0 (whole matrices) or positive")
+    if ns.weight_block_kb:
+        parts += ["--weight-block-kb", str(ns.weight_block_kb)]
     cmd = shlex.join(parts + (["--markdown", str(ns.markdown)] if ns.markdown else []))
 
     def measure() -> list[dict[str, Any]]:
@@ -223,6 +227,7 @@ def run_ondevice(ns: argparse.Namespace) -> int:
         rows = []
         for shape in shapes:
             c = OndeviceConfig(shape=shape, seq=seq, rank=rank, steps=ns.steps + 1)
+            c.weight_block_kb = ns.weight_block_kb
             if capped:
                 rows += run_caps(ns.out, c, cmd, ns.memory_cap, ns.find_cap, ns.timeout)
             else:
