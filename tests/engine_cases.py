@@ -94,10 +94,9 @@ def peft_grads(hf, ad: Path, batch: Batch) -> dict[str, torch.Tensor]:  # type: 
     return out
 
 
-def check_engine_against_hf_peft(family: str, engine: str, tmp: Path) -> None:
-    """The issue's bar (cos >= 0.999999, rel <= 1e-4): `engine`'s LoRA gradients on the
-    family's tiny HF model, against HF + PEFT autograd on the same adapter (random, nonzero)."""
-    hf = hf_model(family)
+def with_saved_adapter(hf, out: Path) -> CausalLM:  # type: ignore[no-untyped-def]
+    """mesp's copy of the HF model with a random nonzero rank-3 adapter, saved (PEFT's format)
+    to `out` for HF + PEFT to load the same one."""
     ours = mesp_from_hf(hf)
     cfg = LoraConfig(rank=3, alpha=7.0)
     apply_lora(ours, cfg)
@@ -105,7 +104,15 @@ def check_engine_against_hf_peft(family: str, engine: str, tmp: Path) -> None:
     with torch.no_grad():
         for p in ours.lora_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    save_adapter(ours, tmp / "ad", cfg)
+    save_adapter(ours, out, cfg)
+    return ours
+
+
+def check_engine_against_hf_peft(family: str, engine: str, tmp: Path) -> None:
+    """The issue's bar (cos >= 0.999999, rel <= 1e-4): `engine`'s LoRA gradients on the
+    family's tiny HF model, against HF + PEFT autograd on the same adapter (random, nonzero)."""
+    hf = hf_model(family)
+    ours = with_saved_adapter(hf, tmp / "ad")
     batch = padded_batch()
     ref = peft_grads(hf, tmp / "ad", batch)
     _, got = grads_of(make_engine(engine), ours, batch)

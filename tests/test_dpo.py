@@ -22,10 +22,15 @@ from mesp.engines.objective import (
     pair_terms,
 )
 from mesp.errors import MespError
-from mesp.lora import LoraConfig, apply_lora
 from mesp.ops.cross_entropy import CEOptions, chunked_ce_row_losses
-from tests.engine_cases import DEVICE, assert_grads_match, model_with_adapter, padded_batch
-from tests.hf_tiny import FAMILIES, hf_model, mesp_from_hf
+from tests.engine_cases import (
+    DEVICE,
+    assert_grads_match,
+    model_with_adapter,
+    padded_batch,
+    with_saved_adapter,
+)
+from tests.hf_tiny import FAMILIES, hf_model
 
 DPO, ORPO = Objective("dpo", beta=0.7), Objective("orpo", orpo_lambda=0.6)
 # every DPO loss type; the smoothed ones with ε too
@@ -154,17 +159,8 @@ def test_bp_equals_hf_peft(family: str, obj: Objective, tmp_path) -> None:  # ty
     being PEFT's model with its adapter disabled."""
     from peft import PeftModel
 
-    from mesp.lora import save_adapter
-
     hf = hf_model(family)
-    ours = mesp_from_hf(hf)
-    cfg = LoraConfig(rank=3, alpha=7.0)
-    apply_lora(ours, cfg)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in ours.lora_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    save_adapter(ours, tmp_path / "ad", cfg)
+    ours = with_saved_adapter(hf, tmp_path / "ad")
     peft = PeftModel.from_pretrained(hf, str(tmp_path / "ad"), is_trainable=True).eval()
     batch = pair_batch()
     with torch.no_grad(), peft.disable_adapter():

@@ -15,7 +15,6 @@ from mesp.cli import main
 from mesp.config import FULL, SLIDING, ModelConfig
 from mesp.engines import make_engine
 from mesp.errors import MespError
-from mesp.lora import LoraConfig, apply_lora, save_adapter
 from mesp.models.transformer import MLP
 from mesp.quant import QuantSpec
 from tests.engine_cases import (
@@ -25,6 +24,7 @@ from tests.engine_cases import (
     model_with_adapter,
     padded_batch,
     peft_grads,
+    with_saved_adapter,
 )
 from tests.hf_tiny import BASE, hf_model, mesp_from_hf
 
@@ -45,17 +45,10 @@ def test_short_factors_mesp_grads_equal_hf_peft(tmp_path: Path) -> None:
     """The same bar with an original context (64) longer than the batch: the short factors."""
     hf = hf_model("phi3", original_max_position_embeddings=64)
     assert not bool((hf.model.rotary_emb.inv_freq != hf.model.rotary_emb.original_inv_freq).any())
-    ours = mesp_from_hf(hf)
-    cfg = LoraConfig(rank=3, alpha=7.0)
-    apply_lora(ours, cfg)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in ours.lora_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ours = with_saved_adapter(hf, tmp_path / "ad")
     assert sorted({n.rsplit(".", 1)[-1] for n in ours.lora_modules()}) == sorted(
         ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     )
-    save_adapter(ours, tmp_path / "ad", cfg)
     batch = padded_batch()
     ref = peft_grads(hf, tmp_path / "ad", batch)
     _, got = grads_of(make_engine("mesp"), ours, batch)
