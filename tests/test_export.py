@@ -47,8 +47,11 @@ CASES = {  # family -> (base quantization, loss vocabulary slice: None = whole h
     "granite": (QuantSpec(4, 32), None),  # the four scalars (logits ÷ s before the head)
     "olmo2": (None, 64),  # post norms, no input norm, q/k norms over the whole projection
     "gemma2": (QuantSpec(4, 32), None),  # attention and final soft-caps, sliding/global
+    "phi3": (None, 64),  # fused qkv / gate_up, partial rotary, LongRoPE, a window on every layer
 }
-SLOW = {"llama", "qwen3", "gemma3", "mistral", "smollm3", "granite", "olmo2", "gemma2"}  # not qwen2
+SLOW = {
+    "llama", "qwen3", "gemma3", "mistral", "smollm3", "granite", "olmo2", "gemma2", "phi3"
+}  # fmt: skip  # (not qwen2)
 
 
 # The loss bound is 1e-6, relative for OLMo 2: the exported SiLU backward is written out
