@@ -1,7 +1,7 @@
-"""Exported programs dequantize a quantized weight in the engine's blocks (issue 28 item 3):
-mesp.ops.matmul.TracedBlocks gives F.linear's and dy @ W's values (the GEMM's rounding
-apart) with the cuts linear_blocks uses, and the block programs built on it equal the whole-weight
-programs; a lowered block holds a block, not a matrix, in its planned memory."""
+"""Exported programs can dequantize a quantized weight in blocks (issue 28 item 3, `mesp export
+--weight-block-kb`): mesp.ops.matmul.TracedBlocks gives F.linear's and dy @ W's values (the
+GEMM's rounding apart) from row blocks for x Wᵀ and column blocks for dy W, the block programs
+built on it equal the whole-weight programs, and an export in blocks trains like the engine."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_weight_blocked_export_trains_like_the_engine(runner_bin, tmp_path) -> N
     art = case.dir
     assert case.conf["executorch"]["weight_block_bytes"] == 8192
     rows = T._rows()
-    trainer, losses = et_driver.train(case.art, rows, runner.RunConfig(STEPS, LR["sgd"], "sgd"))
+    _, losses = et_driver.train(case.art, rows, runner.RunConfig(STEPS, LR["sgd"], "sgd"))
     ref = T._engine_run(case, rows, STEPS)  # type: ignore[arg-type]
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= TOL["sgd"], (losses, ref)
     data, out, log = T._write_jsonl(tmp_path / "rows.jsonl", rows), tmp_path / "a", tmp_path / "l"

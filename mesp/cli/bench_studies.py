@@ -226,8 +226,10 @@ def run_ondevice(ns: argparse.Namespace) -> int:
 
         rows = []
         for shape in shapes:
-            c = OndeviceConfig(shape=shape, seq=seq, rank=rank, steps=ns.steps + 1)
-            c.weight_block_kb = ns.weight_block_kb
+            c = OndeviceConfig(
+                shape=shape, seq=seq, rank=rank, steps=ns.steps + 1,
+                weight_block_kb=ns.weight_block_kb,
+            )  # fmt: skip
             if capped:
                 rows += run_caps(ns.out, c, cmd, ns.memory_cap, ns.find_cap, ns.timeout)
             else:

@@ -57,8 +57,8 @@ class WeightSpec:
     bias: bool = False
     lora_scale: float | None = None  # None: no adapter on this linear
     core_aten: bool = False  # unpack with core ATen ops only (edge runtimes: no `>>`)
-    # a quantized weight dequantized in blocks of at most this many fp32 bytes, cut as the
-    # engine's linear_blocks cuts it (mesp.ops.matmul.TracedBlocks); None: whole, at once
+    # a quantized weight dequantized in blocks of at most this many fp32 bytes (row blocks for
+    # x Wᵀ, column blocks for dy W: mesp.ops.matmul.TracedBlocks); None: whole, at once
     block_bytes: int | None = None
 
 
@@ -186,7 +186,7 @@ def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> T
     order (the lowering writes addmm out as mm, mul and add: see mesp.ondevice.lower)."""
     ws = bs.lin(name)
     src = base(w, ws)
-    y = src.linear(x) if isinstance(src, TracedBlocks) else F.linear(x, dense(w, ws, x.dtype))
+    y = src.linear(x) if isinstance(src, TracedBlocks) else F.linear(x, src(x.dtype))
     if ws.bias:
         y = y + w[f"{ws.prefix}.bias"]
     if ws.lora_scale is not None:
@@ -286,7 +286,7 @@ def _lin_bwd(
     ws = bs.lin(name)
     src = base(w, ws)
     if ws.lora_scale is None:
-        return src.matmul(dy) if isinstance(src, TracedBlocks) else dy @ dense(w, ws, dy.dtype)
+        return src.matmul(dy) if isinstance(src, TracedBlocks) else dy @ src(dy.dtype)
     a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
     ga, gb = torch.zeros_like(a), torch.zeros_like(b)
     grads[f"{ws.prefix}.lora_A"], grads[f"{ws.prefix}.lora_B"] = ga, gb
