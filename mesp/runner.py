@@ -1,40 +1,35 @@
-"""`mesp.runner`, the public name of the artifact runner (`mesp.ondevice.runner`): it trains the
-adapters from `mesp export`'s files and imports only torch and safetensors, never mesp's model
-code. `python -m mesp.runner ARTIFACTS --data ROWS …` runs it on its own."""
+"""`mesp.runner`, the public name of the Python driver of `mesp export`'s .pte programs
+(`mesp.ondevice.et_driver`, through executorch.runtime) and of what it shares with it
+(`mesp.ondevice.runner`: the artifacts, the rows, the adapter). `python -m mesp.runner ARTIFACTS
+--data ROWS …` runs it on its own; the native runner (runtime/) is its C++ twin."""
 
 import sys
 
+from mesp.ondevice.et_driver import EtTrainer, main, train
 from mesp.ondevice.runner import (
     PEFT_PREFIX,
     Artifacts,
     RunConfig,
     RunnerError,
-    Trainer,
     add_arguments,
     batches,
-    main,
     make_batch,
-    make_optimizer,
-    pickled_member,
     read_rows,
     run,
     run_cli,
     save_adapter,
-    train,
 )
 
 __all__ = [
     "PEFT_PREFIX",
     "Artifacts",
+    "EtTrainer",
     "RunConfig",
     "RunnerError",
-    "Trainer",
     "add_arguments",
     "batches",
     "main",
     "make_batch",
-    "make_optimizer",
-    "pickled_member",
     "read_rows",
     "run",
     "run_cli",

@@ -16,7 +16,7 @@ import torch
 from mesp.ondevice import runner
 from mesp.ondevice.export import ExportOptions, export_model
 from mesp.quant import QuantSpec
-from tests import test_export as T
+from tests import export_cases as T
 
 S, B, TILE = T.S, T.B, 4  # S = 12: three query tiles
 

@@ -19,8 +19,6 @@ from mesp.cli import main
 from mesp.data import DataConfig, load_jsonl, load_splits
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer as MespTokenizer
-from mesp.ondevice.export import ExportOptions, export_model
-from tests.engine_cases import model_with_adapter
 from tests.test_gguf_export import _base, _fails
 from tests.tiny_dir import make_jsonl, make_model_dir, make_tokenizer, train_argv
 
@@ -86,15 +84,26 @@ def test_reply_only_flags_keep_rows_that_have_replies_or_their_own_mask(tmp_path
 
 def test_export_directory_and_files_get_the_umask_mode(tmp_path: Path) -> None:
     """`mesp export` builds its directory with mkdtemp (0700) and safetensors writes 0600: the
-    artifacts were unreadable to every other user. Now 0777 / 0666 less the umask."""
+    artifacts were unreadable to every other user. Now 0777 / 0666 less the umask. (The files
+    of export_model, through its Writer: a safetensors block file, a .pte, run_config.json;
+    lowering real programs takes a minute, and the Writer is what sets the modes.)"""
+    import torch
+    from safetensors.torch import save_file
+
+    from mesp.ondevice.artifact_files import Writer
+
     old = os.umask(0o022)
     try:
         out = tmp_path / "art"
-        export_model(model_with_adapter("qwen2"), out, ExportOptions(seq_len=8))
+        w = Writer(out)
+        save_file({"w": torch.ones(3)}, str(w.path("blocks/block_000.safetensors")))
+        w.path("pte/embed.pte").write_bytes(b"pte")
+        w.path("run_config.json").write_text("{}")
+        w.commit()
     finally:
         os.umask(old)
     paths = [out, *out.rglob("*")]
-    assert any(p.suffix == ".safetensors" for p in paths)
+    assert len(paths) == 6
     for p in paths:
         want = 0o755 if p.is_dir() else 0o644
         assert stat.S_IMODE(p.stat().st_mode) == want, p

@@ -29,7 +29,7 @@ def test_lora_grads_equal_hf_peft_autograd(engine: str, tmp_path: Path) -> None:
 
 def test_info_and_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`mesp info` names both caps; `mesp export` writes the on-device programs (their
-    attention carries the cap: tests/test_export.py trains them against the engine)."""
+    attention carries the cap: tests/test_ondevice_et.py trains them against the engine)."""
     base = make_model_dir(tmp_path / "m", "gemma2")
     assert main(["info", "--model", str(base)]) == 0
     assert "soft-caps    attention 0.05, logits 0.3" in capsys.readouterr().out

@@ -45,7 +45,7 @@ def test_both_pieces_are_used() -> None:
 
 def test_info_and_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`mesp info` names OLMo 2's norms; `mesp export` writes the on-device programs (they build
-    its post-normed blocks: tests/test_export.py trains them against the engine)."""
+    its post-normed blocks: tests/test_ondevice_et.py trains them against the engine)."""
     base = make_model_dir(tmp_path / "m", "olmo2")
     assert main(["info", "--model", str(base)]) == 0
     assert "norms        after attention and MLP outputs" in capsys.readouterr().out

@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests import test_export as T
+from tests import export_cases as T
 
 pytest.importorskip("executorch")
 pytestmark = pytest.mark.slow

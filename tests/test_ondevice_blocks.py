@@ -108,7 +108,7 @@ def test_weight_blocked_export_trains_like_the_engine(runner_bin, tmp_path) -> N
     import subprocess
 
     from mesp.ondevice import et_driver, runner
-    from tests import test_export as T
+    from tests import export_cases as T
     from tests.et_cases import EtCase
     from tests.test_ondevice_et import LR, STEPS, TOL
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from mesp.ondevice import et_driver, runner
 from mesp.ondevice.lower import fnv1a64, lower
 from mesp.ondevice.steps import Flat
-from tests import test_export as T
+from tests import export_cases as T
 from tests.et_cases import TILE, B, EtCase, S
 from tests.tolerances import gemm_tol
 
@@ -47,6 +48,10 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _params(case: EtCase) -> dict[str, torch.Tensor]:
@@ -79,6 +84,12 @@ def test_executorch_trains_like_the_engine(  # type: ignore[no-untyped-def]
             torch.testing.assert_close(
                 got[f"{runner.PEFT_PREFIX}model.layers.{i}.{k}.weight"], p, rtol=0, atol=1e-6
             )
+    # frozen weights resident: the embedding / final norm (/ head) and one block, never two
+    one_block = max(_nbytes(load_file(case.dir / b["file"])) for b in case.conf["blocks"])
+    assert (
+        case.art.peak_resident_bytes
+        == _nbytes(case.art.embed_w) + _nbytes(case.art.head_w) + one_block
+    )
     ref = T._engine_run(case, rows, STEPS, adamw_lr=None if opt == "sgd" else LR[opt])  # type: ignore[arg-type]
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= TOL[opt], (losses, ref)
     # it trained: the first row's loss, met again every len(rows) steps, has fallen (the last
@@ -235,8 +246,9 @@ def _fails(argv: list[str], capsys, name: str, out: Path) -> None:  # type: igno
 
 def test_bad_artifacts_one_line_exit_2(et_cases, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """The Python driver refuses a truncated or foreign .pte, files of two exports, a missing
-    block file, malformed rows and a row longer than the exported sequence: one line, exit 2,
-    no adapter."""
+    block file, a tensor of the wrong shape, an export of an older mesp (.pt2 programs, no .pte),
+    malformed rows, a row longer than the exported sequence and a missing directory: one line,
+    exit 2, no adapter."""
     import shutil
 
     case = et_cases("qwen2", "q4")
@@ -261,6 +273,21 @@ def test_bad_artifacts_one_line_exit_2(et_cases, tmp_path: Path, capsys) -> None
     (d / "blocks/block_001.safetensors").unlink()
     _fails(argv(d), capsys, "block_001.safetensors", out)
 
+    d = copy("shapes")  # right export id, a tensor of the wrong shape
+    p = d / "blocks/block_000.safetensors"
+    with safe_open(str(p), framework="pt") as f:
+        meta = f.metadata()
+    w = load_file(p)
+    w["input_layernorm.weight"] = torch.ones(5)
+    save_file(w, str(p), metadata=meta)
+    _fails(argv(d), capsys, "block_000.safetensors", out)
+
+    d = copy("older")  # what a torch-target export of mesp <= this change wrote: no .pte section
+    conf = json.loads((d / "run_config.json").read_text())
+    conf["functions"] = conf.pop("executorch")
+    (d / "run_config.json").write_text(json.dumps(conf))
+    _fails(argv(d), capsys, "export again", out)
+
     d = copy("mixed")  # the config of another export: every file's export id disagrees
     conf = json.loads((d / "run_config.json").read_text())
     conf["export_id"] = "0" * 32
@@ -272,3 +299,4 @@ def test_bad_artifacts_one_line_exit_2(et_cases, tmp_path: Path, capsys) -> None
     _fails(argv(case.dir, bad), capsys, f"{bad}:2", out)
     long = T._write_jsonl(tmp_path / "long.jsonl", [(list(range(S + 2)), [1] * (S + 2))])
     _fails(argv(case.dir, long), capsys, f"{long}:1", out)
+    _fails(argv(tmp_path / "nowhere"), capsys, "nowhere", out)

@@ -198,12 +198,10 @@ def test_cli_trains_quantized(bits: str, tmp_path: Path) -> None:
     assert sorted(conf["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
 
 
-def test_info_names_phi3s_pieces_and_export_writes(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """`mesp info` names the fused linears, the partial rotary and LongRoPE; `mesp export`
-    writes the on-device programs (test_export_runner_trains_like_the_engine trains them)."""
-    from tests.tiny_dir import make_jsonl, make_model_dir, train_argv
+def test_info_names_phi3s_pieces(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`mesp info` names the fused linears, the partial rotary and LongRoPE (the on-device
+    programs: test_executorch_trains_like_the_engine below and tests/test_ondevice_et.py)."""
+    from tests.tiny_dir import make_model_dir
 
     base = make_model_dir(tmp_path / "m", "phi3")
     assert main(["info", "--model", str(base)]) == 0
@@ -212,17 +210,10 @@ def test_info_names_phi3s_pieces_and_export_writes(
     assert "rotary       18 of 24 dims per head" in out
     assert "rope         longrope: long factors past 16 tokens, cos/sin × 1.414" in out
     assert "parameters at rank 8 on qkv_proj,o_proj,gate_up_proj,down_proj" in out
-    ad = tmp_path / "ad"
-    data = make_jsonl(tmp_path / "d.jsonl", 4)
-    assert main(train_argv(base, data, ad, steps=1, seq_len=16, quantize="none")) == 0
-    argv = ["export", "--model", str(base), "--adapter", str(ad), "--out", str(tmp_path / "x")]
-    assert main([*argv, "--seq-len", "8"]) == 0
-    conf = json.loads((tmp_path / "x" / "run_config.json").read_text())
-    assert conf["model"]["family"] == "phi3"
 
 
 class _Exported:
-    """What tests/test_export.py's engine reference reads of a case: the model and its start."""
+    """What tests/export_cases.py's engine reference reads of a case: the model and its start."""
 
     def __init__(self, model: torch.nn.Module, vchunk: int) -> None:
         self.model, self.vchunk = model, vchunk
@@ -232,30 +223,6 @@ class _Exported:
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(self.init[n])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("quant", [None, QuantSpec(4, 32)], ids=["dense", "q4"])
-def test_export_runner_trains_like_the_engine(quant: QuantSpec | None, tmp_path: Path) -> None:
-    """`mesp export`'s programs (the fused linears split and their backward concatenated, the
-    partial rotary, LongRoPE's long set: original context 8 < 12 tokens, window 5): 20 SGD steps
-    of the model-free runner give the engine's losses (1e-6) and its final adapter."""
-    from mesp.ondevice import runner
-    from mesp.ondevice.export import ExportOptions, export_model
-    from tests.test_export import LR, STEPS, B, S, _engine_run, _rows
-
-    model = model_with_adapter("phi3", quant, original_max_position_embeddings=8)
-    export_model(model, tmp_path / "art", ExportOptions(S, B, 64))
-    art = runner.Artifacts(tmp_path / "art")
-    rows = _rows()
-    trainer, losses = runner.train(art, rows, runner.RunConfig(STEPS, LR))
-    ref = _engine_run(_Exported(model, 64), rows, STEPS)
-    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= 1e-6, (losses, ref)
-    assert losses[-1] < losses[0]
-    params = dict(model.named_parameters())
-    for i, lora in enumerate(trainer.lora):
-        for k, p in lora.items():
-            torch.testing.assert_close(p, params[f"model.layers.{i}.{k}"], rtol=0, atol=1e-6)
 
 
 def test_cached_decoding_follows_transformers_past_the_switch() -> None:
@@ -292,13 +259,13 @@ def test_executorch_trains_like_the_engine(tmp_path: Path) -> None:
     pytest.importorskip("executorch")
     from mesp.ondevice import et_driver, runner
     from mesp.ondevice.export import ExportOptions, export_model
-    from tests.test_export import LR, STEPS, B, S, _engine_run, _rows
+    from tests.export_cases import LR, STEPS, B, S, _engine_run, _rows
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops on a shared machine
     try:
         model = model_with_adapter("phi3", QuantSpec(4, 32), original_max_position_embeddings=8)
-        opts = ExportOptions(S, B, 64, target="executorch", attn_tile=4)
+        opts = ExportOptions(S, B, 64, attn_tile=4)
         export_model(model, tmp_path / "et", opts)
         rows = _rows()
         trainer, losses = et_driver.train(

@@ -1,4 +1,5 @@
-"""`mesp export` (artifacts for the model-free runner) and `mesp run-artifacts` (that runner)."""
+"""`mesp export` (per-block weights + the .pte programs of a step) and `mesp run-artifacts` (the
+runners that train from them: the native one, or the Python driver)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     from mesp.ondevice.export import ExportOptions
 
     s = sub.add_parser(
-        "export", help="per-block weights + torch.export programs for `mesp run-artifacts`"
+        "export", help="per-block weights + ExecuTorch programs for `mesp run-artifacts`"
     )
     s.add_argument("--out", required=True, help="artifact directory (must not exist or be empty)")
     s.add_argument("--adapter", default=None, help="start from this PEFT adapter (default: fresh)")
@@ -27,8 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument(
         "--memory-report",
         action="store_true",
-        help="then time one training step from the artifacts and one of the in-process mesp "
-        "engine on the same model and batch, and print each one's peak memory (exact tracker)",
+        help="then measure one training step of the in-process mesp engine (exact tracker) and "
+        "print it beside what the exported programs' plan holds in a step",
     )
 
     r = sub.add_parser(
@@ -37,11 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     runner.add_arguments(r)
     r.add_argument(
         "--runtime",
-        choices=("auto", "torch", "python", "native"),
+        choices=("auto", "python", "native"),
         default="auto",
-        help="torch: the .pt2 programs; python: the .pte programs through executorch.runtime; "
-        "native: the C++ runner (scripts/build-ondevice); auto: python for an ExecuTorch "
-        "export, else torch (default: auto)",
+        help="python: the .pte programs through executorch.runtime; native: the C++ runner "
+        "(scripts/build-ondevice); auto: python (default)",
     )
 
 
@@ -56,8 +56,6 @@ def run(ns: argparse.Namespace) -> int:
     from mesp.ondevice.report import memory_lines, memory_report
 
     opts = from_args(ExportOptions, ns)
-    if ns.memory_report and opts.executorch:
-        raise MespError("--memory-report measures the torch runner: not with --target executorch")
     loaded = open_model(from_args(ModelOptions, ns), seed=ns.seed)
     if ns.adapter:
         from mesp.loading.hub import adapter_dir  # a directory, or org/name from the HF cache
@@ -67,16 +65,11 @@ def run(ns: argparse.Namespace) -> int:
         apply_lora(loaded.model, from_args(LoraConfig, ns), seed=ns.seed)
     conf = export_model(loaded.model, Path(ns.out), opts, base_name=loaded.source)
     line = f"exported {ns.out}: {len(conf['blocks'])} blocks"
-    if "executorch" in conf:
-        et = conf["executorch"]
-        line += (
-            f", {len(et['programs'])} ExecuTorch programs ({et['backend']}; largest planned "
-            f"memory {et['planned_bytes_max'] / 2**20:.1f} MiB)"
-        )
-    else:
-        fns = conf["functions"]
-        n = 2 + 3 * len(fns["blocks"])  # embed, loss, and forward/recompute/backward per group
-        line += f", {n} torch.export programs"
+    et = conf["executorch"]
+    line += (
+        f", {len(et['programs'])} ExecuTorch programs ({et['backend']}; largest planned "
+        f"memory {et['planned_bytes_max'] / 2**20:.1f} MiB)"
+    )
     print(f"{line}; export id {conf['export_id']}", flush=True)
     if ns.memory_report:
         for row in memory_lines(memory_report(loaded.model, Path(ns.out), opts, ns.seed)):
@@ -87,17 +80,10 @@ def run(ns: argparse.Namespace) -> int:
 def _run_artifacts(ns: argparse.Namespace) -> int:
     from mesp.ondevice import runner
 
-    runtime = ns.runtime
-    if runtime == "auto":
-        conf = Path(ns.artifacts) / "run_config.json"
-        et = conf.is_file() and '"executorch"' in conf.read_text(errors="replace")
-        runtime = "python" if et else "torch"
-    if runtime == "native":
+    if ns.runtime == "native":
         from mesp.ondevice import native
 
         return native.run(ns)
-    if runtime == "python":
-        from mesp.ondevice import et_driver
+    from mesp.ondevice import et_driver
 
-        return runner.run_cli(ns, et_driver.train)
-    return runner.run_cli(ns)
+    return runner.run_cli(ns, et_driver.train)

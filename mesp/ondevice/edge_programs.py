@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from mesp.ondevice.programs import Tensors, WeightSpec, dense, dequantizer, rows
 from mesp.ops.cross_entropy import _dlogits, _logits
@@ -173,23 +173,3 @@ def loss_and_grad(
     if es.logits_div is not None:  # mesp_block.norm_bwd's dy ÷ divisor
         dhn = dhn / es.logits_div
     return loss, rms_norm_backward(dhn, h, w["norm.weight"], es.eps, es.norm_offset)
-
-
-class Embed(nn.Module):
-    def __init__(self, es: EdgeSpec) -> None:
-        super().__init__()
-        self.es = es
-
-    def forward(self, weights: Tensors, ids: Tensor) -> Tensor:
-        return embed(self.es, weights, ids)
-
-
-class LossAndGrad(nn.Module):
-    def __init__(self, es: EdgeSpec) -> None:
-        super().__init__()
-        self.es = es
-
-    def forward(  # type: ignore[no-untyped-def]
-        self, weights: Tensors, h: Tensor, ids: Tensor, tgt: Tensor, norm: Tensor
-    ):
-        return loss_and_grad(self.es, weights, h, ids, tgt, norm)

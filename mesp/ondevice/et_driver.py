@@ -1,9 +1,8 @@
-"""The Python driver of `mesp export --target executorch` programs, through `executorch.runtime`.
+"""The Python driver of `mesp export`'s .pte programs, through `executorch.runtime`.
 
 The reference for the native runner (runtime/): the same .pte files, the same inputs by name
-(run_config.json "executorch"), the same loop as mesp.ondevice.runner's Trainer, and the optimizer
-update through the exported sgd / adamw programs, so that the two drivers differ only in who calls
-ExecuTorch. One step:
+(run_config.json "executorch"), the same loop, and the optimizer update through the exported
+sgd / adamw programs, so that the two drivers differ only in who calls ExecuTorch. One step:
   embed -> for each block: read its weights file, forward, drop the weights (keep the input)
   -> the loss programs (trained rows only; start, one call per vocabulary slice, finish)
   -> for each block in reverse: read, recompute + hand
@@ -12,23 +11,25 @@ ExecuTorch. One step:
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mesp.ondevice.export_et import VERSION as ET_VERSION
-from mesp.ondevice.lower import fnv1a64
+from mesp.ondevice.contract import ADAMW_SCALARS, ET_VERSION, adamw_scalars, fnv1a64
 from mesp.ondevice.runner import (
     PEFT_PREFIX,
     Artifacts,
     RunConfig,
     RunnerError,
+    add_arguments,
     batches,
     make_batch,
+    run_cli,
 )
-from mesp.ondevice.steps import ADAMW_SCALARS, adamw_scalars
 
 Tensors = dict[str, torch.Tensor]
 
@@ -48,7 +49,8 @@ class Programs:
         et = art.conf.get("executorch")
         if not isinstance(et, dict):
             raise RunnerError(
-                f"{art.root}: no ExecuTorch programs (export with --target executorch)"
+                f"{art.root}: no ExecuTorch programs (.pt2 programs of an older mesp?): "
+                "export again with mesp export"
             )
         if et.get("version") != ET_VERSION:
             raise RunnerError(
@@ -211,4 +213,12 @@ def train(
     return trainer, losses
 
 
-__all__ = ["EtTrainer", "Programs", "train"]
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mesp.runner DIR --data ROWS --steps N --out ADAPTER`: train from the .pte
+    programs (errors: one line, exit code 2, no adapter)."""
+    p = argparse.ArgumentParser(prog="mesp-runner", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_cli(p.parse_args(sys.argv[1:] if argv is None else argv), train)
+
+
+__all__ = ["EtTrainer", "Programs", "main", "train"]

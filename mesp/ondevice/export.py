@@ -1,23 +1,21 @@
-"""`mesp export`: per-block artifacts that `mesp.runner` trains from without any model code.
+"""`mesp export`: per-block artifacts and the ExecuTorch programs that train from them.
 
 The split follows the original MeSP (Python exports, a Swift runner trains): frozen weights as one
-safetensors file per block, read only while that block runs; the block forward, its recompute
-(forward + the saved tensors) and its hand backward as `torch.export` programs (.pt2) whose every
-tensor is an argument (see mesp.ondevice.programs); the embedding and the loss (final norm + head
-+ CE -> loss, grad of the last hidden state) likewise (edge_programs.py); run_config.json ties it
-together. The .pt2 capture is pt2.py; the files and their atomic writer, artifact_files.py.
-Blocks of one structure (same layer type, shapes, storage) share one set of programs:
-Qwen2.5-0.5B's 24 blocks need 3 programs, not 72.
+safetensors file per block, read only while that block runs; every program of a step (embedding,
+each block's forward and recompute + hand backward, the loss as start / vocabulary slice / finish,
+the SGD and AdamW updates) lowered to an ExecuTorch .pte whose every tensor is an input (see
+mesp.ondevice.export_et); run_config.json ties it together. The files and their atomic writer are
+artifact_files.py. Blocks of one structure (same layer type, shapes, storage) share one set of
+programs: Qwen2.5-0.5B's 24 blocks need one forward and one backward, not 48.
 
-Fixed at export: batch size and sequence length (the runner pads shorter rows; the loss program
-alone takes a dynamic number of trained rows, at most batch × seq). Not exported: MeSP's "store h"
+One on-device format: the native runner (runtime/, C++, no Python, no libtorch) and the Python
+driver (mesp.ondevice.et_driver, through executorch.runtime) run the same .pte files. Needs the
+`executorch` package (the `ondevice` extra: 1.5.1 installs beside torch 2.13.0 without replacing
+it) and float32 weights.
+
+Fixed at export: batch size and sequence length (the runners pad shorter rows; the loss programs
+take a dynamic number of trained rows, at most batch × seq). Not exported: MeSP's "store h"
 ablation (h = x Aᵀ is always recomputed) and gradient accumulation.
-
-ExecuTorch (`--target executorch`, or `--pte`; needs the `executorch` package, not a dependency:
-1.5.1 installs beside torch 2.13.0 without replacing it): every program of a step is also lowered
-to a .pte, with the edge formulations (core-ATen 4-bit unpack, query-tiled attention) and the
-XNNPACK delegate, for the native runner (runtime/) and the Python driver (mesp.ondevice.et_driver).
-See mesp.ondevice.export_et.
 """
 
 from __future__ import annotations
@@ -38,8 +36,9 @@ from mesp.lora import PEFT_PREFIX
 from mesp.models.transformer import CausalLM
 from mesp.ondevice.artifact_files import Writer, digest, table
 from mesp.ondevice.edge_programs import EdgeSpec
+from mesp.ondevice.export_et import edge_weights, export_executorch
+from mesp.ondevice.lower import require_executorch
 from mesp.ondevice.programs import BlockSpec, WeightSpec, block_parts, frozen_tensors
-from mesp.ondevice.pt2 import export_functions
 from mesp.ops.attention import _cpu_flash, additive_mask
 
 log = logging.getLogger("mesp")
@@ -55,14 +54,13 @@ class ExportOptions:
         default=8192, metadata={"help": "loss: head slice rows (the engine's default)"}
     )
     target: str = field(
-        default="torch",
+        default="executorch",
         metadata={
-            "help": "torch: .pt2 programs for the torch runner; executorch: .pte programs for "
-            "the native runner and the ExecuTorch driver",
-            "choices": ("torch", "executorch"),
+            "help": "executorch (the one format): .pte programs for the native runner and the "
+            "Python driver",
         },
     )
-    pte: bool = field(default=False, metadata={"help": "same as --target executorch"})
+    pte: bool = field(default=False, metadata={"help": "same as --target executorch (default)"})
     attn_tile: int = field(
         default=64,
         metadata={"help": "ExecuTorch attention: query rows per tile (scores are tile × seq)"},
@@ -88,14 +86,13 @@ class ExportOptions:
             raise MespError("--weight-block-kb must be 0 (whole matrices) or positive")
         if self.seq_len < 2:
             raise MespError("--seq-len must be at least 2")
-        if self.target not in ("torch", "executorch"):
-            raise MespError(f"--target must be torch or executorch, got {self.target!r}")
-        if self.pte:
-            self.target = "executorch"
-
-    @property
-    def executorch(self) -> bool:
-        return self.target == "executorch"
+        if self.target == "torch":
+            raise MespError(
+                "--target torch is gone: the .pt2 programs and their torch runner were folded "
+                "into the ExecuTorch .pte programs (the default; mesp run-artifacts runs them)"
+            )
+        if self.target != "executorch":
+            raise MespError(f"--target must be executorch, got {self.target!r}")
 
 
 def _ws(module: Any, prefix: str) -> WeightSpec:
@@ -174,6 +171,9 @@ def export_model(
 ) -> dict[str, Any]:
     """Write the artifact directory for `model` (with its adapters attached); returns the config."""
     rank, scale, targets = _check_model(model)
+    require_executorch()
+    if model.dtype != torch.float32:
+        raise MespError("mesp export writes float32 programs: load with --dtype float32")
     cfg, S, B = model.config, opts.seq_len, opts.batch_size
     if S > cfg.max_position_embeddings:
         raise MespError(f"--seq-len {S} is over the model's {cfg.max_position_embeddings}")
@@ -181,13 +181,10 @@ def export_model(
     ctx = _ctx(model, S)
     groups, block_rows, files = _blocks(model, ctx)
     es, embed_w, head_w = _edges(model, opts.vocab_chunk)
-    if opts.executorch:  # packed words as bytes, the form the edge programs read
-        from mesp.ondevice.export_et import edge_weights
-
-        files = {rel: edge_weights(t) for rel, t in files.items()}
-        for row in block_rows:
-            row["tensors"] = table(files[row["file"]])
-        embed_w, head_w = edge_weights(embed_w), edge_weights(head_w)
+    files = {rel: edge_weights(t) for rel, t in files.items()}  # packed words as bytes
+    for row in block_rows:
+        row["tensors"] = table(files[row["file"]])
+    embed_w, head_w = edge_weights(embed_w), edge_weights(head_w)
     lora_init = {
         f"{PEFT_PREFIX}model.layers.{i}.{n}.weight": p.detach().contiguous()
         for i, block in enumerate(model.layers)
@@ -239,27 +236,20 @@ def export_model(
     try:
         for rel, t in files.items():
             save_file(t, str(writer.path(rel)), metadata={"export_id": eid})
-        if opts.executorch:
-            from mesp.ondevice.export_et import export_executorch
-
-            conf["executorch"] = export_executorch(
-                model,
-                groups,
-                ctx,
-                es,
-                embed_w,
-                head_w,
-                S,
-                B,
-                opts.attn_tile,
-                writer,
-                delegate=not opts.portable,
-                weight_block_bytes=opts.weight_block_kb << 10,
-            )
-        else:
-            conf["functions"] = export_functions(
-                model, groups, ctx, es, embed_w, head_w, S, B, writer, eid
-            )
+        conf["executorch"] = export_executorch(
+            model,
+            groups,
+            ctx,
+            es,
+            embed_w,
+            head_w,
+            S,
+            B,
+            opts.attn_tile,
+            writer,
+            delegate=not opts.portable,
+            weight_block_bytes=opts.weight_block_kb << 10,
+        )
         writer.path("run_config.json").write_text(json.dumps(conf, indent=1) + "\n")
         writer.commit()
     except BaseException:

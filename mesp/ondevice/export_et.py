@@ -1,4 +1,4 @@
-"""`mesp export --target executorch`: every program of a MeSP step as an ExecuTorch .pte.
+"""`mesp export`'s programs: every program of a MeSP step as an ExecuTorch .pte.
 
 Programs (mesp.ondevice.steps, lowered by mesp.ondevice.lower), one set per block structure:
   embed            weights/*, ids -> h
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mesp.errors import MespError
 from mesp.models.transformer import CausalLM
+from mesp.ondevice.contract import ET_VERSION
 from mesp.ondevice.edge_programs import EdgeSpec, head_slice
 from mesp.ondevice.lower import fnv1a64, io_rows, lower
 from mesp.ondevice.programs import BlockSpec, block_parts, example_hidden
@@ -43,7 +43,7 @@ from mesp.ondevice.steps import (
 )
 from mesp.quant import packed_bytes
 
-VERSION = 2  # 2: the loss as start / slice (/ tail) / finish programs
+VERSION = ET_VERSION
 
 
 def edge_weights(w: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -162,8 +162,6 @@ def export_executorch(
     weight_block_bytes: int = 0,
 ) -> dict[str, Any]:
     """Lower every program of a step; returns run_config.json's "executorch" section."""
-    if model.dtype != torch.float32:
-        raise MespError("--target executorch exports float32 programs: load with --dtype float32")
     S, B, hid = seq_len, batch_size, model.config.hidden_size
     x, g = example_hidden(model, B, S)
     progs = _Programs(writer, delegate)

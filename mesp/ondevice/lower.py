@@ -14,6 +14,7 @@ The lowered program's planned-memory buffer sizes are read back from the emitted
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,19 +22,11 @@ import torch
 from torch import Tensor
 
 from mesp.errors import MespError
+from mesp.ondevice.contract import fnv1a64
 from mesp.ondevice.steps import Flat
 
 _ATEN = torch.ops.aten
 ST_NAMES = {torch.float32: "F32", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
-
-
-def fnv1a64(data: bytes) -> str:
-    """FNV-1a 64 of a file's bytes, as the native runner computes it (a cheap identity check:
-    a truncated or foreign program is refused before ExecuTorch parses it)."""
-    h = 0xCBF29CE484222325
-    for b in data:  # programs hold graphs, not weights: well under a megabyte each
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return f"{h:016x}"
 
 
 def _addmm(inp: Tensor, m1: Tensor, m2: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
@@ -62,6 +55,18 @@ def _partitioner() -> Any:
     return XnnpackPartitioner(configs=configs, force_non_static_weights_for_f32_linear=True)
 
 
+NEEDS_EXECUTORCH = (
+    "mesp export needs the executorch package: pip install executorch==1.5.1 torchao==0.18.0 "
+    "(beside torch 2.13.0; or the ondevice extra)"
+)
+
+
+def require_executorch() -> None:
+    """Refuse before any work where the lowering could not run."""
+    if importlib.util.find_spec("executorch") is None:
+        raise MespError(NEEDS_EXECUTORCH)
+
+
 def lower(
     prog: Flat,
     example: list[Tensor],
@@ -79,10 +84,7 @@ def lower(
         )
         from executorch.exir.passes import MemoryPlanningPass
     except ImportError:
-        raise MespError(
-            "--target executorch needs the executorch package: pip install executorch==1.5.1 "
-            "torchao==0.18.0 (beside torch 2.13.0)"
-        ) from None
+        raise MespError(NEEDS_EXECUTORCH) from None
     dims = {n: torch.export.Dim(n, min=1, max=mx) for n, mx in {v for v in dynamic.values()}}
     shapes = tuple({0: dims[dynamic[i][0]]} if i in dynamic else None for i in range(len(example)))
     dyn_shapes = (shapes,) if dynamic else None  # the one *tensors argument, as a tuple

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
 from mesp.ops.attention import attention, attention_bwd, attention_fwd
@@ -374,35 +374,3 @@ def block_backward(
         dn1 += dv_in
         del dk_in, dv_in
     return dx2.add_(dn1 if bs.post_norms else nb(dn1, x, "input_layernorm")), grads
-
-
-# ---- nn.Module wrappers: what torch.export captures ----
-
-
-class BlockForward(nn.Module):
-    """(weights, lora, x, ctx) -> y, or (y, saved) when `saved`."""
-
-    def __init__(self, bs: BlockSpec, saved: bool) -> None:
-        super().__init__()
-        self.bs, self.saved = bs, saved
-
-    def forward(self, weights: Tensors, lora: Tensors, x: Tensor, ctx: Tensors):  # type: ignore[no-untyped-def]
-        if not self.saved:
-            return block_forward(self.bs, weights, lora, x, ctx, None)
-        tape: Tensors = {}
-        y = block_forward(self.bs, weights, lora, x, ctx, tape)
-        return y, dict(sorted(tape.items()))
-
-
-class BlockBackward(nn.Module):
-    """(saved, dy, x, weights, lora, ctx) -> (dx, lora grads)."""
-
-    def __init__(self, bs: BlockSpec) -> None:
-        super().__init__()
-        self.bs = bs
-
-    def forward(  # type: ignore[no-untyped-def]
-        self, saved: Tensors, dy: Tensor, x: Tensor, weights: Tensors, lora: Tensors, ctx: Tensors
-    ):
-        dx, grads = block_backward(self.bs, saved, dy, x, weights, lora, ctx)
-        return dx, dict(sorted(grads.items()))

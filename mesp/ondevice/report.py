@@ -1,28 +1,100 @@
-"""`mesp export --memory-report`: one warm step of the in-process engine beside the artifact
-runner, measured tensor by tensor, and the table that compares them."""
+"""`mesp export --memory-report`: one warm step of the in-process engine, measured tensor by
+tensor, beside what the exported .pte programs' own plan says a step of the runners holds.
+
+The plan side reads only the export (run_config.json and the safetensors headers it lists):
+  weights  the embedding / final norm / head file plus the largest block file (both drivers read
+           a block's weights just before it runs and drop them after; the native runner maps
+           them from the files, so on the device they are page cache, not anonymous memory);
+  adapter  the LoRA tensors plus one block's gradients (each block's update runs right after its
+           backward, so no whole-model gradient is held); AdamW adds two more adapters of state;
+  working  the memory-planned arenas (one per planned-buffer index, each the largest any program
+           plans: the native runner allocates exactly these) plus the block-input checkpoints.
+Not in the plan: the runtime and its libraries, and XNNPACK's own workspace, which only a run
+shows (`mesp bench ondevice`, the native runner's RssAnon / Private_Dirty log).
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
+from mesp.errors import MespError
+
+# bytes per element of the dtypes an export writes
+_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:9.1f}"
 
 
+def _file_bytes(path: Path) -> int:
+    """Bytes of the tensors in a safetensors file, from its header (nothing is read)."""
+    with safe_open(str(path), framework="pt") as f:
+        return sum(
+            _SIZE[s.get_dtype()] * int(torch.Size(s.get_shape()).numel())
+            for s in (f.get_slice(k) for k in f.keys())
+        )
+
+
+def planned_step(art_dir: Path) -> dict[str, Any]:
+    """What one step of the .pte programs holds, by the export's plan (see the module doc)."""
+    conf = json.loads((art_dir / "run_config.json").read_text())
+    et = conf.get("executorch")
+    if not isinstance(et, dict):
+        raise MespError(f"{art_dir}: no ExecuTorch programs (an export of an older mesp?)")
+    progs = et["programs"]
+    arenas: list[int] = []
+    for row in progs.values():
+        for i, n in enumerate(row["planned_bytes"]):
+            arenas += [0] * (i + 1 - len(arenas))
+            arenas[i] = max(arenas[i], int(n))
+    largest = max(progs, key=lambda k: sum(progs[k]["planned_bytes"]))
+    edge = sum(_file_bytes(art_dir / rel) for rel in ("embedding.safetensors", "head.safetensors"))
+    one_block = max(_file_bytes(art_dir / b["file"]) for b in conf["blocks"])
+    lora_file = art_dir / conf["lora"]["init"]
+    adapter = _file_bytes(lora_file)
+    with safe_open(str(lora_file), framework="pt") as f:
+        per_block: dict[str, int] = {}
+        for k in f.keys():
+            blk = k.split(".layers.")[1].split(".")[0]
+            s = f.get_slice(k)
+            per_block[blk] = per_block.get(blk, 0) + _SIZE[s.get_dtype()] * int(
+                torch.Size(s.get_shape()).numel()
+            )
+    m = conf["model"]
+    checkpoints = (
+        4 * m["num_hidden_layers"] * conf["batch_size"] * conf["seq_len"] * m["hidden_size"]
+    )
+    grads = max(per_block.values())
+    return {
+        "weights": edge + one_block,
+        "adapter": adapter + grads,
+        "working": sum(arenas) + checkpoints,
+        "total": edge + one_block + adapter + grads + sum(arenas) + checkpoints,
+        "edge": edge,
+        "one_block": one_block,
+        "lora": adapter,
+        "grads": grads,
+        "arena": sum(arenas),
+        "checkpoints": checkpoints,
+        "largest": largest,
+        "programs": {k: sum(r["planned_bytes"]) for k, r in progs.items()},
+        "backend": et.get("backend", "?"),
+    }
+
+
 def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> dict[str, Any]:
-    """One warm training step each (a first step makes the gradients, as in training), measured by
-    the exact live-tensor tracker: the in-process mesp engine on `model`, then mesp.runner from
-    the artifacts in art_dir, on the same random batch (every token trained). Frozen weights are
-    the tensors read from the model or the artifact files; working is everything else the step
-    allocates (activations, checkpoints, temporaries, dequantized weights)."""
+    """One warm training step of the in-process mesp engine on `model` (a first step makes the
+    gradients, as in training), measured by the exact live-tensor tracker on a random batch (every
+    token trained); beside it, the plan of the export in art_dir."""
     from mesp.batch import Example, collate
     from mesp.engines import make_engine
     from mesp.memory.tracker import LiveTensorTracker, adapter_tensors
-    from mesp.ondevice import runner
 
     B, S = opts.batch_size, opts.seq_len
     g = torch.Generator().manual_seed(seed)
@@ -30,7 +102,6 @@ def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> dict[s
     rows = [
         (torch.randint(0, vocab, (S + 1,), generator=g).tolist(), [1] * (S + 1)) for _ in range(B)
     ]
-
     batch = collate([Example(ids, mask) for ids, mask in rows])
     eng = make_engine("mesp", vocab_chunk=opts.vocab_chunk)
     eng.step(model, batch, batch.n_tokens)
@@ -42,46 +113,28 @@ def memory_report(model: Any, art_dir: Path, opts: Any, seed: int = 0) -> dict[s
     engine = ref.breakdown()
     for p in model.lora_parameters():
         p.grad = None
-
-    trk = LiveTensorTracker()
-    art = runner.Artifacts(art_dir, on_load=lambda w: trk.register(w.values(), "weights"))
-    trk.register([*art.embed_w.values(), *art.head_w.values()], "weights")
-    trainer = runner.Trainer(art, art._read(art.conf["lora"]["init"]))
-    ids, tgt, mask = runner.make_batch(rows, B, S)
-    trainer.step(ids, tgt, mask)
-    trk.register(adapter_tensors(trainer.parameters()), "adapter")
-    trk.reset_peak()
-    with trk:
-        trainer.step(ids, tgt, mask)
-    ran = trk.breakdown()
-    art.on_load = None
-
-    edge = sum(t.numel() * t.element_size() for w in (art.embed_w, art.head_w) for t in w.values())
-    return {
-        "seq_len": S,
-        "batch_size": B,
-        "engine": engine,
-        "runner": ran,
-        "resident": art.peak_resident_bytes,
-        "edge": edge,
-    }
+    return {"seq_len": S, "batch_size": B, "engine": engine, "plan": planned_step(art_dir)}
 
 
 def memory_lines(fig: dict[str, Any]) -> list[str]:
     """memory_report's figures as the table `mesp export --memory-report` prints."""
     cols = ("weights", "adapter", "working", "total")
-    engine, ran, edge = fig["engine"], fig["runner"], fig["edge"]
-    out = [
-        f"one warm training step, seq {fig['seq_len']} x batch {fig['batch_size']}: MiB of live "
-        "tensors at each one's peak (exact tracker)",
+    engine, plan = fig["engine"], fig["plan"]
+    top = sorted(plan["programs"].items(), key=lambda kv: -kv[1])[:4]
+    return [
+        f"one training step, seq {fig['seq_len']} x batch {fig['batch_size']}, MiB: the engine "
+        "measured (exact tracker, at its peak), the .pte programs by their plan",
         f"{'':16}" + "".join(f"{c:>9}" for c in cols),
+        f"{'in-process mesp':16}" + "".join(_mib(engine[c]) for c in cols),
+        f"{'.pte plan':16}" + "".join(_mib(plan[c]) for c in cols),
+        f".pte weights: embedding/norm/head {plan['edge'] / 2**20:.1f} + one block "
+        f"{plan['one_block'] / 2**20:.1f} (read per block); adapter: LoRA "
+        f"{plan['lora'] / 2**20:.1f} + one block's gradients {plan['grads'] / 2**20:.1f} "
+        f"(AdamW adds {2 * plan['lora'] / 2**20:.1f} of state)",
+        f".pte working: planned arenas {plan['arena'] / 2**20:.1f} (the largest program, "
+        f"{plan['largest']}, sizes them) + block-input checkpoints "
+        f"{plan['checkpoints'] / 2**20:.1f}; programs' planned MiB: "
+        + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in top),
+        f"not planned: the runtime, its libraries and the {plan['backend']} workspace "
+        "(measured by `mesp bench ondevice`)",
     ]
-    for name, d in (("in-process mesp", engine), ("mesp.runner", ran)):
-        out.append(f"{name:16}" + "".join(_mib(d[c]) for c in cols))
-    out.append(
-        f"runner frozen weights resident at most {fig['resident'] / 2**20:.1f} MiB "
-        f"(embedding/norm/head {edge / 2**20:.1f} + one block "
-        f"{(fig['resident'] - edge) / 2**20:.1f}); working memory "
-        f"{ran['working'] / 2**20:.1f} vs engine {engine['working'] / 2**20:.1f} MiB"
-    )
-    return out

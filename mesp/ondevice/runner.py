@@ -1,15 +1,10 @@
-"""Train LoRA adapters from `mesp export` artifacts, with no model code: torch + safetensors only.
+"""What both drivers of `mesp export`'s programs share on the Python side: the artifact directory
+(run_config.json and every file checked against it before any work, frozen weights read lazily,
+one block at a time), the training rows, the PEFT adapter written atomically, and the command line
+of `mesp run-artifacts` / `python -m mesp.runner`. torch and safetensors only: the model code is
+never imported (the programs are the whole model). The loop itself is mesp.ondevice.et_driver's
+(the .pte programs through executorch.runtime); the native runner (runtime/) is its C++ twin.
 
-This file imports nothing from mesp (it runs as a copy beside the artifacts, as the original's
-Swift runner does). Everything a block computes comes from the exported programs; everything this
-file knows is in run_config.json. One step:
-  embed -> for each block: load its weights, forward, drop them (keep only the block input)
-  -> loss and grad of the last hidden state
-  -> for each block in reverse: load, recompute its saved tensors, hand backward, drop
-Frozen weights resident at any moment: the embedding, the final norm (and an untied head), and
-at most one block's. Adapters are saved in PEFT's format.
-
-    python -m mesp.runner DIR --data train.jsonl --steps 100 --out adapter/
 Data: jsonl rows {"input_ids": [...], "loss_mask": [...]}; loss_mask[i] = 1 trains token i
 (predicted from the tokens before it); rows of at most seq_len + 1 tokens, right-padded.
 """
@@ -23,7 +18,6 @@ import os
 import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,8 +42,8 @@ class RunnerError(Exception):
 
 class Artifacts:
     """run_config.json, and every file checked against it (export id, names, shapes, dtypes)
-    before any training; `load_programs()` then deserializes the programs (seconds each: do it
-    after the cheap checks). Block weights are read only inside `block(i)`."""
+    before any training. Block weights are read only inside `block(i)`; the programs are the
+    driver's to check and load."""
 
     def __init__(self, root: Path, on_load: Callable[[Tensors], None] | None = None) -> None:
         self.root, self.on_load = root, on_load
@@ -71,10 +65,6 @@ class Artifacts:
             self.vocab = int(c["model"]["vocab_size"])
             for rel, spec in c["files"].items():
                 self._check_file(rel, spec["tensors"])
-            self.programs: dict[str, Any] = {}
-            for row in self._program_rows().values():
-                if not (root / row["pt2"]).is_file():
-                    raise RunnerError(f"{root / row['pt2']}: missing (the export is incomplete)")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RunnerError(f"{conf_p}: malformed ({type(e).__name__}: {e})") from None
         self.resident_bytes = self.peak_resident_bytes = 0
@@ -110,37 +100,6 @@ class Artifacts:
                     f"{want['dtype']}{list(want['shape'])}"
                 )
 
-    def _program(self, row: dict[str, Any]) -> Callable[..., Any]:
-        p = self.root / row["pt2"]
-        why = pickled_member(p)
-        if why is not None:  # torch.export.load would hand it to torch.load
-            raise RunnerError(f"{p}: refused: {why} (programs carry no pickle and no tensor)")
-        extra = {"export_id": ""}
-        try:
-            ep = torch.export.load(str(p), extra_files=extra)
-        except Exception as e:  # deserialization errors come in many types
-            raise RunnerError(f"{p}: not a loadable torch.export program ({e})") from None
-        if extra["export_id"] != self.id:
-            raise RunnerError(
-                f"{p}: made by export {extra['export_id'] or '?'}, but run_config.json is from "
-                f"export {self.id} (files of two exports mixed?)"
-            )
-        return ep.module()
-
-    def _program_rows(self) -> dict[str, dict[str, Any]]:
-        if "functions" not in self.conf:  # an ExecuTorch-only export: .pte programs
-            return {}
-        fns = self.conf["functions"]
-        rows = {"embed": fns["embed"], "loss": fns["loss"]}
-        for gid, g in fns["blocks"].items():
-            rows.update({f"{gid}.{k}": g[k] for k in ("forward", "recompute", "backward")})
-        return rows
-
-    def load_programs(self) -> None:
-        for name, row in self._program_rows().items():
-            if name not in self.programs:
-                self.programs[name] = self._program(row)
-
     def _read(self, rel: str) -> Tensors:
         try:
             return load_file(str(self.root / rel))
@@ -168,43 +127,6 @@ class Artifacts:
         finally:
             self._count(w, -1)
             w.clear()
-
-
-def pickled_member(path: Path) -> str | None:
-    """Why a .pt2 archive could make torch.export.load unpickle something, or None. A mesp
-    program is its graph as JSON only: a member named *.pkl, a nested zip (a torch.save file,
-    such as the data/sample_inputs/model.pt torch.export writes for example inputs), a member
-    that opens with a pickle protocol header, or any stored weight or constant payload (those
-    may be pickled) is refused."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                name = info.filename
-                if name.endswith(".pkl"):
-                    return f"member {name} is a pickle"
-                if info.file_size == 0:
-                    continue
-                with z.open(info) as f:
-                    head = f.read(2)
-                if head == b"PK":
-                    return f"member {name} is a torch.save archive"
-                if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-                    return f"member {name} is a pickle"
-                parts = name.split("/")
-                if "data" in parts and ("weights" in parts or "constants" in parts):
-                    if not name.endswith("_config.json"):
-                        return f"member {name} stores a tensor"
-                    conf = json.loads(z.read(info))
-                    if conf.get("config"):
-                        return f"member {name} lists stored tensors"
-    except (OSError, zipfile.BadZipFile, ValueError, AttributeError) as e:
-        return f"not a readable .pt2 archive ({e})"
-    return None
-
-
-def _ordered(src: Tensors, names: list[str]) -> Tensors:
-    """The dict a program was captured with: the same keys in the same order."""
-    return {k: src[k] for k in names}
 
 
 # ---- data ----
@@ -273,115 +195,12 @@ def batches(rows: list[tuple[list[int], list[int]]], batch_size: int) -> Iterato
         k += 1
 
 
-# ---- training ----
-
-
-class Trainer:
-    """LoRA tensors (one dict per block) and the step that computes their gradients."""
-
-    def __init__(self, art: Artifacts, init: Tensors) -> None:
-        self.art, conf = art, art.conf
-        if "functions" not in conf:
-            raise RunnerError(
-                f"{art.root}: an ExecuTorch export (no .pt2 programs): run it with "
-                "--runtime python or --runtime native"
-            )
-        art.load_programs()
-        fns = conf["functions"]
-        self.blocks = conf["blocks"]
-        self.lora: list[dict[str, torch.nn.Parameter]] = []
-        for i, b in enumerate(self.blocks):
-            names = fns["blocks"][b["fn"]]["inputs"]["lora"]
-            self.lora.append(
-                {
-                    k: torch.nn.Parameter(init[f"{PEFT_PREFIX}model.layers.{i}.{k}.weight"].clone())
-                    for k in names
-                }
-            )
-        self.ctx = {}
-        for gid, g in fns["blocks"].items():
-            t = g["layer_type"]
-            self.ctx[gid] = {k: art.ctx[f"{t}.{k}"] for k in g["inputs"]["ctx"]}
-        self.embed_w = _ordered(art.embed_w, fns["embed"]["inputs"]["weights"])
-        self.loss_w = _ordered({**art.embed_w, **art.head_w}, fns["loss"]["inputs"]["weights"])
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for d in self.lora for p in d.values()]
-
-    @torch.no_grad()
-    def step(self, ids: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor) -> float | None:
-        """Leave each adapter's gradient in .grad; return the mean token loss (None: no target)."""
-        n = int(mask.sum())
-        if n == 0:
-            return None
-        fn, art, blocks = self.art.programs, self.art, self.blocks
-        names = {gid: g["inputs"] for gid, g in art.conf["functions"]["blocks"].items()}
-        h = fn["embed"](self.embed_w, ids)
-        checkpoints = []
-        for i, b in enumerate(blocks):
-            checkpoints.append(h)  # block input: the only activation kept across blocks
-            with art.block(i) as w:
-                h = fn[f"{b['fn']}.forward"](
-                    _ordered(w, names[b["fn"]]["weights"]), self.lora[i], h, self.ctx[b["fn"]]
-                )
-        rows = mask.reshape(-1).nonzero().squeeze(1)
-        loss, g = fn["loss"](
-            self.loss_w, h, rows, tgt.reshape(-1).index_select(0, rows), torch.tensor(float(n))
-        )
-        del h
-        loss_sum = float(loss.sum(dtype=torch.float64))  # row losses summed in fp64 (the engine's)
-        for i in range(len(blocks) - 1, -1, -1):
-            b, x = blocks[i], checkpoints.pop()
-            with art.block(i) as w:
-                wo = _ordered(w, names[b["fn"]]["weights"])
-                saved = fn[f"{b['fn']}.recompute"](wo, self.lora[i], x, self.ctx[b["fn"]])[1]
-                g, grads = fn[f"{b['fn']}.backward"](
-                    saved, g, x, wo, self.lora[i], self.ctx[b["fn"]]
-                )
-                del saved, wo
-            for k, t in grads.items():
-                self.lora[i][k].grad = t
-            del x, grads
-        return loss_sum / n
-
-
 @dataclass
 class RunConfig:
     steps: int
     lr: float = 1e-4
     optimizer: str = "sgd"
     weight_decay: float = 0.0
-
-
-def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def train(
-    art: Artifacts,
-    rows: list[tuple[list[int], list[int]]],
-    cfg: RunConfig,
-    log: Callable[[int, float | None], None] | None = None,
-) -> tuple[Trainer, list[float | None]]:
-    """cfg.steps optimizer steps; returns the trainer (its adapters) and each step's loss."""
-    init = art._read(art.conf["lora"]["init"])
-    trainer = Trainer(art, init)
-    del init
-    opt = make_optimizer(trainer.parameters(), cfg)
-    data, losses = batches(rows, art.batch_size), []
-    for k in range(1, cfg.steps + 1):
-        loss = trainer.step(*make_batch(next(data), art.batch_size, art.seq_len))
-        if loss is not None:
-            if not math.isfinite(loss):
-                raise RunnerError(f"non-finite loss at step {k}; no adapter written (lower --lr?)")
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss)
-        if log is not None:
-            log(k, loss)
-    return trainer, losses
 
 
 def _atomic(path: Path, write: Callable[[str], object]) -> None:
@@ -410,8 +229,9 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
         os.close(dfd)
 
 
-def save_adapter(trainer: Trainer, out: Path) -> None:
-    """PEFT format: adapter_model.safetensors first, adapter_config.json last."""
+def save_adapter(trainer: Any, out: Path) -> None:
+    """PEFT format: adapter_model.safetensors first, adapter_config.json last. `trainer`: its
+    `art` (the Artifacts) and `lora` (one dict of adapter tensors per block)."""
     conf = trainer.art.conf
     tensors = {
         f"{PEFT_PREFIX}model.layers.{i}.{k}.weight": p.detach().contiguous()
@@ -458,9 +278,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="print only the summary")
 
 
-def run(ns: argparse.Namespace, train_fn: Callable[..., Any] | None = None) -> int:
-    """Check the flags, artifacts and rows, train with `train_fn` (default: the .pt2 programs'
-    `train`; mesp.ondevice.et_driver passes its own), save the adapter."""
+def run(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
+    """Check the flags, artifacts and rows, train with `train_fn` (mesp.ondevice.et_driver's
+    `train`), save the adapter."""
     if ns.steps < 1 or not (ns.lr > 0 and math.isfinite(ns.lr)):
         raise RunnerError("--steps and --lr must be positive")
     out = Path(ns.out)
@@ -480,7 +300,7 @@ def run(ns: argparse.Namespace, train_fn: Callable[..., Any] | None = None) -> i
         last[0] = now
 
     cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay)
-    trainer, _ = (train_fn or train)(art, rows, cfg, log)
+    trainer, _ = train_fn(art, rows, cfg, log)
     save_adapter(trainer, out)
     print(
         f"saved {out} after {ns.steps} steps in {time.perf_counter() - t0:.1f}s; frozen weights "
@@ -506,7 +326,7 @@ def _rss_note() -> str:
     return f" peak_rss {kb['VmHWM'] / 1024:.1f}MiB anon {kb['RssAnon'] / 1024:.1f}MiB"
 
 
-def run_cli(ns: argparse.Namespace, train_fn: Callable[..., Any] | None = None) -> int:
+def run_cli(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
     """run(ns) with errors as one line and exit code 2 (130 when interrupted)."""
     try:
         return run(ns, train_fn)
@@ -516,13 +336,3 @@ def run_cli(ns: argparse.Namespace, train_fn: Callable[..., Any] | None = None) 
     except KeyboardInterrupt:
         print("mesp-runner: interrupted; no adapter written", file=sys.stderr)
         return 130
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mesp-runner", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run_cli(p.parse_args(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

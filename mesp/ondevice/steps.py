@@ -28,21 +28,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from mesp.ondevice.contract import ADAMW_SCALARS, adamw_scalars
 from mesp.ondevice.edge_programs import EdgeSpec, embed, loss_finish, loss_slice, loss_start
-from mesp.ondevice.edge_programs import loss_and_grad as _loss_and_grad
 from mesp.ondevice.programs import BlockSpec, block_backward, block_forward
 
 Named = dict[str, Tensor]
-ADAMW_SCALARS = (
-    "decay",
-    "one_minus_beta1",
-    "beta2",
-    "one_minus_beta2",
-    "step_size",
-    "bc2_sqrt",
-    "eps",
-)
-BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which mesp train uses
 
 
 def _group(d: Named, prefix: str) -> Named:
@@ -76,15 +66,6 @@ def backward_step(bs: BlockSpec, lora_names: list[str]) -> Callable[[Named], Nam
         block_forward(bs, w, lora, d["x"], ctx, tape)
         dx, grads = block_backward(bs, tape, d["dy"], d["x"], w, lora, ctx)
         return {"dx": dx, **{f"grad/{k}": grads[k] for k in lora_names}}
-
-    return run
-
-
-def loss_step(es: EdgeSpec) -> Callable[[Named], Named]:
-    def run(d: Named) -> Named:
-        w = _group(d, "weights/")
-        loss, dh = _loss_and_grad(es, w, d["h"], d["rows"], d["tgt"], d["norm"])
-        return {"loss": loss, "dh": dh}
 
     return run
 
@@ -131,20 +112,6 @@ def adamw_step(d: Named) -> Named:
     return {"p": p - (d["step_size"] * m) / denom, "m": m, "v": v}
 
 
-def adamw_scalars(lr: float, weight_decay: float, t: int) -> dict[str, float]:
-    """The host side of AdamW step t (1-based), in double as torch.optim computes them."""
-    b1, b2 = BETAS
-    return {
-        "decay": 1 - lr * weight_decay,
-        "one_minus_beta1": 1 - b1,
-        "beta2": b2,
-        "one_minus_beta2": 1 - b2,
-        "step_size": lr / (1 - b1**t),
-        "bc2_sqrt": (1 - b2**t) ** 0.5,
-        "eps": EPS,
-    }
-
-
 class Flat(nn.Module):
     """fn(dict) -> dict as a module of positional tensors: inputs in `in_names` order, outputs
     as a tuple in `out_names` order (both recorded in run_config.json)."""
@@ -171,6 +138,5 @@ __all__ = [
     "loss_finish_step",
     "loss_slice_step",
     "loss_start_step",
-    "loss_step",
     "sgd_step",
 ]
