@@ -235,6 +235,55 @@ def test_attention_backward_holds_one_query_tile(et_cases) -> None:  # type: ign
     assert max(sizes) < B * heads * S * S, (max(sizes), B * heads * S * S)
 
 
+@pytest.mark.parametrize("block_kb", [0, 1], ids=["whole", "blocks"])
+def test_backward_casts_each_packed_matrix_once(block_kb: int) -> None:
+    """The backward program reads gate / up / q / k / v twice (recompute, then backward): their
+    packed bytes are cast to float once (the casts run outside XNNPACK and all sit in the arena
+    at once), and the program's outputs are the per-use casts' to the bit."""
+    from mesp.ondevice.export import _blocks, _ctx
+    from mesp.ondevice.export_et import edge_block_spec, edge_weights
+    from mesp.ondevice.programs import block_backward, block_forward, block_parts
+    from mesp.ondevice.steps import backward_step
+    from mesp.quant import QuantSpec
+
+    model = T.model_with_adapter("qwen2", QuantSpec(4, 32))
+    ctx = _ctx(model, S)
+    groups, _, _ = _blocks(model, ctx)
+    (bs, lt, *_), (_, i) = next(iter(groups.items()))
+    w, lora = block_parts(model.layers[i])
+    w = edge_weights(w)
+    ebs = edge_block_spec(bs, TILE, block_kb << 10)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, S, model.config.hidden_size, generator=g)
+    dy = torch.randn(B, S, model.config.hidden_size, generator=g)
+    named = {
+        **{f"weights/{k}": v for k, v in w.items()},
+        **{f"lora/{k}": v for k, v in lora.items()},
+        **{f"ctx/{k}": v for k, v in ctx[lt].items()},
+        "x": x,
+        "dy": dy,
+    }
+    prog = Flat(backward_step(ebs, list(lora)), list(named), ["dx", *(f"grad/{k}" for k in lora)])
+    ep = torch.export.export(prog, tuple(named.values()), strict=False)
+    packed = sum(t.dtype == torch.uint8 for t in w.values())
+    casts = [
+        n
+        for n in ep.graph.nodes
+        if n.op == "call_function"
+        and any(getattr(a.meta.get("val"), "dtype", None) == torch.uint8 for a in n.all_input_nodes)
+        and getattr(n.meta.get("val"), "dtype", None) == torch.float32
+    ]
+    assert packed == 7 and len(casts) == packed, [n.target for n in casts]
+    with torch.no_grad():
+        got = prog(*named.values())
+        tape: dict = {}
+        block_forward(ebs, w, lora, x, ctx[lt], tape)
+        dx, grads = block_backward(ebs, tape, dy, x, w, lora, ctx[lt])
+    assert torch.equal(got[0], dx)
+    for k, t in zip(lora, got[1:], strict=True):
+        assert torch.equal(t, grads[k]), k
+
+
 def _fails(argv: list[str], capsys, name: str, out: Path) -> None:  # type: ignore[no-untyped-def]
     from mesp.cli import main
 
