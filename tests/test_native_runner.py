@@ -261,6 +261,29 @@ def test_no_trained_token_skips_the_step(runner_bin: Path, artifacts: Path, tmp_
     assert (out / "adapter_config.json").is_file()
 
 
+def test_checkpoints_on_disk_train_the_same(
+    runner_bin: Path, artifacts: Path, tmp_path: Path
+) -> None:
+    """--checkpoints-dir: the block inputs go to a nameless scratch file there and come back in
+    the backward (two stay resident instead of one per block): the same losses and adapter to the
+    bit, and nothing left in the directory. A directory it cannot write in is refused before any
+    step, in one line."""
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts, 3))
+    runs = {}
+    for name, extra in (("memory", []), ("disk", ["--checkpoints-dir", str(tmp_path / "ck")])):
+        (tmp_path / "ck").mkdir(exist_ok=True)
+        out, log = tmp_path / name, tmp_path / f"{name}.jsonl"
+        r = _run(runner_bin, artifacts, data, out, "--json-log", str(log), *extra, steps=3)
+        assert r.returncode == 0, r.stderr
+        losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+        runs[name] = (losses, (out / "adapter_model.safetensors").read_bytes())
+    assert runs["disk"] == runs["memory"]
+    assert list((tmp_path / "ck").iterdir()) == []
+    out = tmp_path / "refused"
+    r = _run(runner_bin, artifacts, data, out, "--checkpoints-dir", str(tmp_path / "nowhere"))
+    _refused(r, out, "--checkpoints-dir", "nowhere", "cannot create a scratch file")
+
+
 # ---- bad input: one line, exit code 2, no adapter ----
 
 

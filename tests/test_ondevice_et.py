@@ -284,6 +284,29 @@ def test_backward_casts_each_packed_matrix_once(block_kb: int) -> None:
         assert torch.equal(t, grads[k]), k
 
 
+def test_checkpoints_on_disk_train_the_same(et_cases, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--checkpoints-dir in the Python driver (as in the native runner): the block inputs go to
+    a nameless scratch file and come back in the backward; the same losses and adapter to the
+    bit, nothing left behind; a directory it cannot write in is one line, exit 2."""
+    case, rows = et_cases("qwen2", "q4"), T._rows()
+    cfg = runner.RunConfig(3, LR["sgd"])
+    mem, mem_losses = et_driver.train(case.art, rows, cfg)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    cfg.checkpoints_dir = str(ck)
+    disk, disk_losses = et_driver.train(case.art, rows, cfg)
+    assert disk_losses == mem_losses
+    for a, b in zip(mem.lora, disk.lora, strict=True):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    del disk
+    assert list(ck.iterdir()) == []
+    data, out = T._write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "adapter"
+    argv = [str(case.dir), "--data", str(data), "--steps", "1", "--out", str(out)]
+    capsys.readouterr()  # what the runtime printed when it first loaded (cpuinfo)
+    _fails([*argv, "--checkpoints-dir", str(tmp_path / "nowhere")], capsys, "nowhere", out)
+
+
 def _fails(argv: list[str], capsys, name: str, out: Path) -> None:  # type: ignore[no-untyped-def]
     from mesp.cli import main
 

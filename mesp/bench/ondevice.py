@@ -42,11 +42,17 @@ class OndeviceConfig:
     steps: int = 4  # the first is a warm-up: medians over the rest
     lr: float = 1e-4
     weight_block_kb: int = 0  # mesp export --weight-block-kb (0: whole matrices)
+    checkpoints_on_disk: bool = False  # the native runner's --checkpoints-dir (its work dir)
+
+    @property
+    def export_name(self) -> str:
+        """The export's (and its work directory's) name: the shape, its weight blocks if any."""
+        return self.shape + (f"-wb{self.weight_block_kb}" if self.weight_block_kb else "")
 
     @property
     def name(self) -> str:
-        """The row's (and its export's) name: the shape, and its weight blocks if any."""
-        return self.shape + (f"-wb{self.weight_block_kb}" if self.weight_block_kb else "")
+        """The row's name: the export's, and where the block inputs go if not in memory."""
+        return self.export_name + ("-ckdisk" if self.checkpoints_on_disk else "")
 
 
 def export_programs(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
@@ -99,6 +105,8 @@ def native_argv(c: OndeviceConfig, art: Path, data: Path, out: Path, log: Path) 
     from mesp.ondevice.native import binary
 
     argv = [str(binary()), str(art), "--data", str(data), "--steps", str(c.steps)]
+    if c.checkpoints_on_disk:  # a nameless scratch file in the work directory
+        argv += ["--checkpoints-dir", str(out.parent)]
     return argv + ["--lr", repr(c.lr), "--out", str(out), "--json-log", str(log), "--quiet"]
 
 
@@ -160,7 +168,7 @@ def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
 def run_ondevice(
     out: Path, c: OndeviceConfig, cmd: str, timeout: float = 3600.0
 ) -> list[dict[str, Any]]:
-    work = out / "runs" / f"ondevice-{c.name}"
+    work = out / "runs" / f"ondevice-{c.export_name}"
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     from mesp.bench.method import machine
@@ -185,7 +193,7 @@ def run_ondevice(
 def line(r: dict[str, Any]) -> str:
     n, e = r["native"], r["engine"]
     return (
-        f"{_shape(r['config'])}: native {n['median_s']:.2f} s/step, peak anon "
+        f"{label(r['config'])}: native {n['median_s']:.2f} s/step, peak anon "
         f"{n['peak_anon_bytes'] / 1e6:.1f} MB (VmHWM {n['peak_rss_bytes'] / 1e6:.1f} MB); "
         f"engine {e['median_s']:.2f} s/step, peak RSS {e['peak_rss_bytes'] / 1e6:.1f} MB"
     )
@@ -214,7 +222,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         anon = n["peak_anon_bytes"] / 1e6
         big = max(n["planned_bytes"].items(), key=lambda kv: kv[1])
         lines.append(
-            f"| {_shape(c)} | {c['seq']} | {c['bits']} | {n['median_s']:.2f} | "
+            f"| {label(c)} | {c['seq']} | {c['bits']} | {n['median_s']:.2f} | "
             f"{e['median_s']:.2f} | {n['median_s'] / e['median_s']:.2f} | {anon:.1f} | "
             f"{anon / PAPER_MB:.2f}x | {n['peak_rss_bytes'] / 1e6:.1f} | "
             f"{e['peak_rss_bytes'] / 1e6:.1f} | {big[1] / 1e6:.1f} ({big[0]}) | "
@@ -231,7 +239,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     ]
     lines += [
         "",
-        f"Planned memory per program (MB), {_shape(r['config'])}: {planned}.",
+        f"Planned memory per program (MB), {label(r['config'])}: {planned}.",
         *([f"Runner RssAnon (MiB) at each point of step 1: {', '.join(seen)}."] if seen else []),
         "Targets: peak anon ≤ 136 MB, native step ≤ 1.2× the engine's (both measured in one "
         "run, alone on the machine).",
@@ -240,9 +248,10 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _shape(c: dict[str, Any]) -> str:
+def label(c: dict[str, Any]) -> str:
     kb = c.get("weight_block_kb", 0)
-    return c["shape"] + (f" ({kb} KiB weight blocks)" if kb else "")
+    label = c["shape"] + (f" ({kb} KiB weight blocks)" if kb else "")
+    return label + (" (block inputs on disk)" if c.get("checkpoints_on_disk") else "")
 
 
-__all__ = ["OndeviceConfig", "line", "run_ondevice", "section"]
+__all__ = ["OndeviceConfig", "label", "line", "run_ondevice", "section"]

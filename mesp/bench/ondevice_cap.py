@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from mesp.bench.ondevice import OndeviceConfig, export_programs, native_argv, rows_file
+from mesp.bench.ondevice import OndeviceConfig, export_programs, label, native_argv, rows_file
 from mesp.bench.output import write_row
 from mesp.errors import MespError
 from mesp.memory.cgroup import MB, CappedRun, find_cap, run_capped
@@ -54,7 +54,7 @@ def run_caps(
     out: Path, c: OndeviceConfig, cmd: str, cap_mb: float | None, find: bool, timeout: float
 ) -> list[dict[str, Any]]:
     c = replace(c, steps=CAP_STEPS) if find else c
-    work = out / "runs" / f"ondevice-{c.name}"
+    work = out / "runs" / f"ondevice-{c.export_name}"
     work.mkdir(parents=True, exist_ok=True)
     art = work / "art"
     export_programs(c, art, timeout)
@@ -117,5 +117,5 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     for r in found:
         c = r["config"]
         n, t = r["native_cap_mb"], r["train_cap_mb"]
-        lines.append(f"| {c['shape']} | {c['seq']} | {n:.0f} | {t:.0f} | {n / t:.2f} |")
+        lines.append(f"| {label(c)} | {c['seq']} | {n:.0f} | {t:.0f} | {n / t:.2f} |")
     return lines + [""]

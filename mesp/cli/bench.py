@@ -128,6 +128,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=0,
         help="ondevice: export with mesp export --weight-block-kb KB (0: whole matrices)",
     )
+    p.add_argument(
+        "--checkpoints-on-disk",
+        action="store_true",
+        help="ondevice: the native runner keeps the block inputs in a scratch file "
+        "(--checkpoints-dir) instead of in memory",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument(
@@ -175,8 +181,17 @@ def run(ns: argparse.Namespace) -> int:
     from mesp.bench.tables import BenchOptions, run_table, summary
     from mesp.bench.targets import cpu_dtype
 
-    if ns.table != "ondevice" and (ns.memory_cap is not None or ns.find_cap or ns.weight_block_kb):
-        raise MespError("--memory-cap, --find-cap, --weight-block-kb are for mesp bench ondevice")
+    ondevice_only = (
+        ns.memory_cap is not None,
+        ns.find_cap,
+        ns.weight_block_kb,
+        ns.checkpoints_on_disk,
+    )
+    if ns.table != "ondevice" and any(ondevice_only):
+        raise MespError(
+            "--memory-cap, --find-cap, --weight-block-kb, --checkpoints-on-disk are for mesp "
+            "bench ondevice"
+        )
     if ns.table == "dropin":
         return bench_studies.run_dropin(ns)
     if ns.table == "dequant":

@@ -219,6 +219,8 @@ def run_ondevice(ns: argparse.Namespace) -> int:
         raise MespError("--weight-block-kb must be 0 (whole matrices) or positive")
     if ns.weight_block_kb:
         parts += ["--weight-block-kb", str(ns.weight_block_kb)]
+    if ns.checkpoints_on_disk:
+        parts.append("--checkpoints-on-disk")
     cmd = shlex.join(parts + (["--markdown", str(ns.markdown)] if ns.markdown else []))
 
     def measure() -> list[dict[str, Any]]:
@@ -228,7 +230,7 @@ def run_ondevice(ns: argparse.Namespace) -> int:
         for shape in shapes:
             c = OndeviceConfig(
                 shape=shape, seq=seq, rank=rank, steps=ns.steps + 1,
-                weight_block_kb=ns.weight_block_kb,
+                weight_block_kb=ns.weight_block_kb, checkpoints_on_disk=ns.checkpoints_on_disk,
             )  # fmt: skip
             if capped:
                 rows += run_caps(ns.out, c, cmd, ns.memory_cap, ns.find_cap, ns.timeout)

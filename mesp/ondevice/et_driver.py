@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -84,11 +85,49 @@ class Programs:
         return {r["name"]: t.clone() for r, t in zip(row["outputs"], outs, strict=True)}
 
 
+class Checkpoints:
+    """The block inputs of one step: in memory, or (a directory given) in a nameless scratch
+    file there, written in the forward and read back in the backward, as the native runner's
+    --checkpoints-dir. The bytes come back as they went, so the numbers are the same."""
+
+    def __init__(self, where: str | None) -> None:
+        self.kept: list[torch.Tensor] = []
+        self.file: Any = None
+        if where is not None:
+            try:
+                self.file = tempfile.TemporaryFile(dir=where, prefix=".mesp-checkpoints-")
+            except OSError as e:
+                raise RunnerError(
+                    f"--checkpoints-dir {where}: cannot create a scratch file there "
+                    f"({e.strerror or e})"
+                ) from None
+
+    def put(self, i: int, h: torch.Tensor) -> None:
+        if self.file is None:
+            if i == 0:
+                self.kept.clear()
+            self.kept.append(h)
+            return
+        self.file.seek(i * h.numel() * h.element_size())
+        self.file.write(h.contiguous().numpy().tobytes())
+
+    def get(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Block i's input (the backward asks last block first: each is dropped after)."""
+        if self.file is None:
+            assert len(self.kept) == i + 1
+            return self.kept.pop()
+        n = like.numel() * like.element_size()
+        self.file.seek(i * n)
+        data = bytearray(self.file.read(n))
+        return torch.frombuffer(data, dtype=like.dtype).view(like.shape)
+
+
 class EtTrainer:
     """Adapter tensors (per block, by key) and their optimizer state; the step and the update."""
 
     def __init__(self, art: Artifacts, cfg: RunConfig) -> None:
         self.art, self.cfg, conf = art, cfg, art.conf
+        self.checkpoints = Checkpoints(cfg.checkpoints_dir)  # refused before any program loads
         self.progs = Programs(art)
         self.loss_spec: dict[str, Any] = conf["executorch"]["loss"]
         init = art._read(conf["lora"]["init"])
@@ -135,9 +174,9 @@ class EtTrainer:
             return None
         art, run = self.art, self.progs.run
         h = run("embed", self._src(art.embed_w, None, {"ids": ids}))["h"]
-        xs = []
+        xs = self.checkpoints
         for i, b in enumerate(self.blocks):
-            xs.append(h)
+            xs.put(i, h)
             with art.block(i) as w:
                 h = run(f"{b['fn']}.forward", self._src(w, i, {"x": h}))["y"]
         rows = mask.reshape(-1).nonzero().squeeze(1)
@@ -149,7 +188,7 @@ class EtTrainer:
         for i in range(len(self.blocks) - 1, -1, -1):
             b = self.blocks[i]
             with art.block(i) as w:
-                out = run(f"{b['fn']}.backward", self._src(w, i, {"x": xs.pop(), "dy": g}))
+                out = run(f"{b['fn']}.backward", self._src(w, i, {"x": xs.get(i, g), "dy": g}))
             g = out.pop("dx")
             self._update(i, {k[5:]: t for k, t in out.items()}, scal)
         return loss

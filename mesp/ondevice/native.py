@@ -43,6 +43,8 @@ def argv(ns: argparse.Namespace) -> list[str]:
         "--out",
         str(ns.out),
     ]
+    if getattr(ns, "checkpoints_dir", None):
+        out += ["--checkpoints-dir", str(ns.checkpoints_dir)]
     return out + (["--quiet"] if ns.quiet else [])
 
 

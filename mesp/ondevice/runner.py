@@ -201,6 +201,7 @@ class RunConfig:
     lr: float = 1e-4
     optimizer: str = "sgd"
     weight_decay: float = 0.0
+    checkpoints_dir: str | None = None  # block inputs in a scratch file there, not in memory
 
 
 def _atomic(path: Path, write: Callable[[str], object]) -> None:
@@ -276,6 +277,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--out", required=True, help="adapter directory (PEFT format)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    p.add_argument(
+        "--checkpoints-dir",
+        metavar="DIR",
+        default=None,
+        help="keep the block inputs in a nameless scratch file in DIR (written in the forward, "
+        "read back in the backward) instead of in memory: the same numbers, one block's input "
+        "resident instead of all of them",
+    )
 
 
 def run(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
@@ -299,7 +308,7 @@ def run(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
             print(f"step {k} loss {shown} time {now - last[0]:.3f}s{_rss_note()}", flush=True)
         last[0] = now
 
-    cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay)
+    cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay, ns.checkpoints_dir)
     trainer, _ = train_fn(art, rows, cfg, log)
     save_adapter(trainer, out)
     print(

@@ -27,11 +27,11 @@ namespace {
 const char* kUsage =
     "usage: mesp-runner DIR --data ROWS.jsonl --steps N --out ADAPTER_DIR\n"
     "                   [--optimizer sgd|adamw] [--lr 1e-4] [--weight-decay 0]\n"
-    "                   [--quiet] [--threads N] [--json-log FILE]\n"
+    "                   [--quiet] [--threads N] [--json-log FILE] [--checkpoints-dir DIR]\n"
     "Trains LoRA adapters from a `mesp export --target executorch` directory.\n";
 
 struct Args {
-  std::string dir, data, out, json_log;
+  std::string dir, data, out, json_log, checkpoints_dir;
   int64_t steps = -1;
   OptimConfig opt;
   bool quiet = false;
@@ -82,8 +82,9 @@ Args parse_args(int argc, char** argv) {
       a.quiet = true;
       continue;
     }
-    static const char* kValued[] = {"--data",         "--steps", "--optimizer", "--lr",
-                                    "--weight-decay", "--out",   "--threads",   "--json-log"};
+    static const char* kValued[] = {"--data",    "--steps",    "--optimizer",
+                                    "--lr",      "--weight-decay", "--out",
+                                    "--threads", "--json-log", "--checkpoints-dir"};
     bool known = false;
     for (const char* k : kValued) known = known || arg == k;
     if (!known) throw RunnerError("unknown flag " + arg + " (see --help)");
@@ -97,6 +98,10 @@ Args parse_args(int argc, char** argv) {
       a.out = value;
     else if (arg == "--json-log")
       a.json_log = value;
+    else if (arg == "--checkpoints-dir") {
+      if (value.empty()) throw RunnerError("--checkpoints-dir needs a directory");
+      a.checkpoints_dir = value;
+    }
     else if (arg == "--steps")
       a.steps = parse_int(arg, value);
     else if (arg == "--lr")
@@ -139,7 +144,7 @@ int run(int argc, char** argv) {
   // Everything cheap first: config, file headers, hashes, data, program bindings.
   Artifacts art = load_artifacts(a.dir);
   std::vector<Row> rows = read_rows(a.data, art.seq_len, art.vocab);
-  Trainer trainer(art, a.opt);
+  Trainer trainer(art, a.opt, a.checkpoints_dir);
   std::FILE* log = nullptr;
   if (!a.json_log.empty()) {
     log = std::fopen(a.json_log.c_str(), "w");

@@ -31,6 +31,29 @@ class FileView {
   bool mapped_ = false;  // else data_ was allocated with new[]
 };
 
+// A scratch file with no name: created in `dir` and unlinked at once, so nothing is left behind,
+// even after a crash. The runner writes the block checkpoints there and reads them back in the
+// backward (--checkpoints-dir): they leave anonymous memory for the page cache, which the kernel
+// can write back and reclaim. Move-only; closed in the destructor.
+class ScratchFile {
+ public:
+  ScratchFile() = default;
+  ~ScratchFile();
+  ScratchFile(ScratchFile&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  ScratchFile& operator=(ScratchFile&& o) noexcept;
+  ScratchFile(const ScratchFile&) = delete;
+  ScratchFile& operator=(const ScratchFile&) = delete;
+
+  bool open(const std::string& dir, std::string& why);
+  bool is_open() const { return fd_ >= 0; }
+  // The whole of [p, p + n) at `offset`, or false with `why` (a full disk, an I/O error).
+  bool write(uint64_t offset, const void* p, size_t n, std::string& why);
+  bool read(uint64_t offset, void* p, size_t n, std::string& why) const;
+
+ private:
+  int fd_ = -1;
+};
+
 // Reads `n` bytes at `offset` (used to read a safetensors header without mapping the data).
 bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& out,
              std::string& why);

@@ -109,6 +109,63 @@ bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& ou
   return true;
 }
 
+ScratchFile::~ScratchFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+ScratchFile& ScratchFile::operator=(ScratchFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    o.fd_ = -1;
+  }
+  return *this;
+}
+
+bool ScratchFile::open(const std::string& dir, std::string& why) {
+  std::string tmpl = (dir.empty() ? std::string(".") : dir) + "/.mesp-checkpoints-XXXXXX";
+  int fd = mkstemp(&tmpl[0]);
+  if (fd < 0) {
+    why = std::strerror(errno);
+    return false;
+  }
+  ::unlink(tmpl.c_str());  // nameless from here on: gone when closed, whatever happens
+  (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+  return true;
+}
+
+bool ScratchFile::write(uint64_t offset, const void* p, size_t n, std::string& why) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = pwrite(fd_, b + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      why = r < 0 ? std::strerror(errno) : "nothing written";
+      return false;
+    }
+    done += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool ScratchFile::read(uint64_t offset, void* p, size_t n, std::string& why) const {
+  auto* b = static_cast<uint8_t*>(p);
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = pread(fd_, b + got, n - got, static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      why = r < 0 ? std::strerror(errno) : "unexpected end of file";
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
 int64_t file_size(const std::string& path) {
   struct stat st;
   if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return -1;

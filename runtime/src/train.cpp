@@ -18,7 +18,8 @@ namespace {
 const std::string kPeft = "base_model.model.model.layers.";
 }  // namespace
 
-Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::move(opt)) {
+Trainer::Trainer(const Artifacts& art, OptimConfig opt, const std::string& checkpoint_dir)
+    : art_(art), opt_(std::move(opt)) {
   const int64_t B = art.batch_size, S = art.seq_len;
   const IoSpec* h = art.program("embed").output("h");
   if (h == nullptr || h->shape.size() != 3 || h->shape[0] != B || h->shape[1] != S ||
@@ -104,7 +105,7 @@ Trainer::Trainer(const Artifacts& art, OptimConfig opt) : art_(art), opt_(std::m
   for (HostTensor& s : scalars_) s = HostTensor(DType::F32, {});
   h_ = HostTensor(act, act_shape);
   g_ = HostTensor(act, act_shape);
-  for (size_t i = 0; i < art.blocks.size(); ++i) checkpoints_.emplace_back(act, act_shape);
+  checkpoints_.init(art.blocks.size(), act, act_shape, checkpoint_dir);
 }
 
 // The inputs of `prog` in its spec's order: `named` (per-call tensors: x, dy, ids, ...) first,
@@ -264,13 +265,14 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
 
   // Forward: only the block inputs are kept.
   auto outs = run("embed", -1, {{"ids", ref(ids_)}});
-  copy_out(output(outs, "embed", "h"), checkpoints_[0], "embed: h");
+  copy_out(output(outs, "embed", "h"), checkpoints_.forward(0), "embed: h");
   for (size_t i = 0; i < L; ++i) {
     const std::string prog = art_.blocks[i].fn + ".forward";
+    checkpoints_.keep(i);
     block_.open(art_.path(art_.blocks[i].file));
-    outs = run(prog, static_cast<int>(i), {{"x", ref(checkpoints_[i])}});
+    outs = run(prog, static_cast<int>(i), {{"x", ref(checkpoints_.forward(i))}});
     block_.release();
-    copy_out(output(outs, prog, "y"), i + 1 < L ? checkpoints_[i + 1] : h_, prog + ": y");
+    copy_out(output(outs, prog, "y"), i + 1 < L ? checkpoints_.forward(i + 1) : h_, prog + ": y");
   }
 
   // Loss: per-row losses (summed in double, as the engine does) and dL/dh into g_.
@@ -283,8 +285,9 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
   // Backward, last block first: dy in g_, dx back into g_, the LoRA gradients kept.
   for (size_t i = L; i-- > 0;) {
     const std::string prog = art_.blocks[i].fn + ".backward";
+    HostTensor& x = checkpoints_.backward(i);
     block_.open(art_.path(art_.blocks[i].file));
-    outs = run(prog, static_cast<int>(i), {{"x", ref(checkpoints_[i])}, {"dy", ref(g_)}});
+    outs = run(prog, static_cast<int>(i), {{"x", ref(x)}, {"dy", ref(g_)}});
     block_.release();
     copy_out(output(outs, prog, "dx"), g_, prog + ": dx");
     for (size_t j = 0; j < lora_[i].size(); ++j) {

@@ -14,6 +14,7 @@
 
 #include "artifacts.h"
 #include "data.h"
+#include "checkpoints.h"
 #include "et_program.h"
 #include "safetensors.h"
 #include "tensor.h"
@@ -29,7 +30,9 @@ struct OptimConfig {
 class Trainer {
  public:
   // Checks every program input against where its data will come from (cheap: headers only).
-  Trainer(const Artifacts& art, OptimConfig opt);
+  // checkpoint_dir: "" keeps the block inputs in memory; else they go to a nameless scratch
+  // file there (written in the forward, read back in the backward: two buffers stay resident).
+  Trainer(const Artifacts& art, OptimConfig opt, const std::string& checkpoint_dir = "");
   // Maps the resident files, reads the initial adapter; call after the cheap checks.
   void prepare(Programs& programs);
   // One step on `batch`: the mean token loss, or nothing when no token is trained (then no
@@ -79,7 +82,7 @@ class Trainer {
   StFile embed_, head_, ctx_;            // resident for the whole run
   StFile block_;                         // the one block whose weights are mapped now
   std::vector<std::vector<Lora>> lora_;  // per block, in the forward program's input order
-  std::vector<HostTensor> checkpoints_;  // block inputs x_i
+  Checkpoints checkpoints_;              // block inputs x_i (checkpoints.h)
   HostTensor ids_, rows_, tgt_, norm_, h_, g_;
   HostTensor scalars_[8];        // 0-d f32 optimizer inputs
   std::map<std::string, TensorRef> opt_named_;  // the scalars, by input name
