@@ -22,7 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mesp.ondevice import et_driver, runner
-from mesp.ondevice.lower import fnv1a64, lower
+from mesp.ondevice.contract import fnv1a64
+from mesp.ondevice.lower import lower
 from mesp.ondevice.steps import Flat
 from tests import export_cases as T
 from tests.et_cases import TILE, B, EtCase, S

@@ -250,8 +250,8 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
 
 def label(c: dict[str, Any]) -> str:
     kb = c.get("weight_block_kb", 0)
-    label = c["shape"] + (f" ({kb} KiB weight blocks)" if kb else "")
-    return label + (" (block inputs on disk)" if c.get("checkpoints_on_disk") else "")
+    shape = c["shape"] + (f" ({kb} KiB weight blocks)" if kb else "")
+    return shape + (" (block inputs on disk)" if c.get("checkpoints_on_disk") else "")
 
 
 __all__ = ["OndeviceConfig", "label", "line", "run_ondevice", "section"]

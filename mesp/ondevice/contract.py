@@ -1,11 +1,13 @@
 """What `mesp export` writes and both drivers of its .pte programs read, kept in one light module
-(torch-free, model-free) so that the Python driver imports no model code: the version of
-run_config.json's "executorch" section, the programs' digest, and AdamW's host-side scalars.
-The native runner (runtime/) keeps the same contract in C++ (artifacts.cpp, optimizer.cpp)."""
+(torch-free, model-free) so that the Python driver imports no model code: the format and version
+of run_config.json and of its "executorch" section, the programs' digest, and AdamW's host-side
+scalars. The native runner (runtime/) keeps the same contract in C++ (artifacts.cpp,
+optimizer.cpp)."""
 
 from __future__ import annotations
 
-ET_VERSION = 2  # 2: the loss as start / slice (/ tail) / finish programs
+FORMAT, VERSION = "mesp-artifacts", 1  # run_config.json's "format" and "version"
+ET_VERSION = 2  # its "executorch" section; 2: the loss as start / slice (/ tail) / finish
 
 ADAMW_SCALARS = (
     "decay",
@@ -42,4 +44,6 @@ def adamw_scalars(lr: float, weight_decay: float, t: int) -> dict[str, float]:
     }
 
 
-__all__ = ["ADAMW_SCALARS", "BETAS", "EPS", "ET_VERSION", "adamw_scalars", "fnv1a64"]
+__all__ = [
+    "ADAMW_SCALARS", "BETAS", "EPS", "ET_VERSION", "FORMAT", "VERSION", "adamw_scalars", "fnv1a64"
+]  # fmt: skip

@@ -35,6 +35,7 @@ from mesp.errors import MespError
 from mesp.lora import PEFT_PREFIX
 from mesp.models.transformer import CausalLM
 from mesp.ondevice.artifact_files import Writer, digest, table
+from mesp.ondevice.contract import FORMAT, VERSION
 from mesp.ondevice.edge_programs import EdgeSpec
 from mesp.ondevice.export_et import edge_weights, export_executorch
 from mesp.ondevice.lower import require_executorch
@@ -42,8 +43,6 @@ from mesp.ondevice.programs import BlockSpec, WeightSpec, block_parts, frozen_te
 from mesp.ops.attention import _cpu_flash, additive_mask
 
 log = logging.getLogger("mesp")
-FORMAT = "mesp-artifacts"
-VERSION = 1
 
 
 @dataclass

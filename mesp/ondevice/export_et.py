@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from mesp.models.transformer import CausalLM
-from mesp.ondevice.contract import ET_VERSION
+from mesp.ondevice.contract import ET_VERSION, fnv1a64
 from mesp.ondevice.edge_programs import EdgeSpec, head_slice
-from mesp.ondevice.lower import fnv1a64, io_rows, lower
+from mesp.ondevice.lower import io_rows, lower
 from mesp.ondevice.programs import BlockSpec, block_parts, example_hidden
 from mesp.ondevice.steps import (
     ADAMW_SCALARS,
@@ -42,8 +42,6 @@ from mesp.ondevice.steps import (
     sgd_step,
 )
 from mesp.quant import packed_bytes
-
-VERSION = ET_VERSION
 
 
 def edge_weights(w: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -205,7 +203,7 @@ def export_executorch(
         "adamw", adamw_step, adam_in, ["p", "m", "v"], vdyn, {k: dim for k in ("p", "m", "v")}
     )
     return {
-        "version": VERSION,
+        "version": ET_VERSION,
         "backend": "xnnpack" if delegate else "portable",
         "attn_tile": attn_tile,
         "weight_block_bytes": weight_block_bytes,

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from mesp.errors import MespError
-from mesp.ondevice.contract import fnv1a64
 from mesp.ondevice.steps import Flat
 
 _ATEN = torch.ops.aten
@@ -130,4 +129,4 @@ def io_rows(
     return rows
 
 
-__all__ = ["Lowered", "fnv1a64", "io_rows", "lower"]
+__all__ = ["Lowered", "io_rows", "lower", "require_executorch"]

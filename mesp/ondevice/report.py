@@ -1,7 +1,7 @@
 """`mesp export --memory-report`: one warm step of the in-process engine, measured tensor by
 tensor, beside what the exported .pte programs' own plan says a step of the runners holds.
 
-The plan side reads only the export (run_config.json and the safetensors headers it lists):
+The plan side reads only the export's run_config.json (its file tables and program rows):
   weights  the embedding / final norm / head file plus the largest block file (both drivers read
            a block's weights just before it runs and drop them after; the native runner maps
            them from the files, so on the device they are page cache, not anonymous memory);
@@ -16,29 +16,29 @@ shows (`mesp bench ondevice`, the native runner's RssAnon / Private_Dirty log).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from mesp.errors import MespError
-
-# bytes per element of the dtypes an export writes
-_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
+from mesp.ondevice.artifact_files import ST_DTYPES
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:9.1f}"
 
 
-def _file_bytes(path: Path) -> int:
-    """Bytes of the tensors in a safetensors file, from its header (nothing is read)."""
-    with safe_open(str(path), framework="pt") as f:
-        return sum(
-            _SIZE[s.get_dtype()] * int(torch.Size(s.get_shape()).numel())
-            for s in (f.get_slice(k) for k in f.keys())
-        )
+_DTYPES = {name: dt for dt, name in ST_DTYPES.items()}
+
+
+def _bytes(table: dict[str, Any]) -> int:
+    """Bytes of the tensors a run_config.json table lists (dtype names and shapes)."""
+    return sum(
+        torch.empty(0, dtype=_DTYPES[t["dtype"]]).element_size() * math.prod(t["shape"])
+        for t in table.values()
+    )
 
 
 def planned_step(art_dir: Path) -> dict[str, Any]:
@@ -54,23 +54,14 @@ def planned_step(art_dir: Path) -> dict[str, Any]:
             arenas += [0] * (i + 1 - len(arenas))
             arenas[i] = max(arenas[i], int(n))
     largest = max(progs, key=lambda k: sum(progs[k]["planned_bytes"]))
-    edge = sum(_file_bytes(art_dir / rel) for rel in ("embedding.safetensors", "head.safetensors"))
-    one_block = max(_file_bytes(art_dir / b["file"]) for b in conf["blocks"])
-    lora_file = art_dir / conf["lora"]["init"]
-    adapter = _file_bytes(lora_file)
-    with safe_open(str(lora_file), framework="pt") as f:
-        per_block: dict[str, int] = {}
-        for k in f.keys():
-            blk = k.split(".layers.")[1].split(".")[0]
-            s = f.get_slice(k)
-            per_block[blk] = per_block.get(blk, 0) + _SIZE[s.get_dtype()] * int(
-                torch.Size(s.get_shape()).numel()
-            )
-    m = conf["model"]
-    checkpoints = (
-        4 * m["num_hidden_layers"] * conf["batch_size"] * conf["seq_len"] * m["hidden_size"]
-    )
-    grads = max(per_block.values())
+    files = {rel: f["tensors"] for rel, f in conf["files"].items()}
+    edge = _bytes(files["embedding.safetensors"]) + _bytes(files["head.safetensors"])
+    one_block = max(_bytes(b["tensors"]) for b in conf["blocks"])
+    adapter = _bytes(files[conf["lora"]["init"]])
+    grads = max(_bytes(b["lora"]) for b in conf["blocks"])  # one block's, at most
+    m, act = conf["model"], torch.empty(0, dtype=getattr(torch, conf["dtype"])).element_size()
+    checkpoints = act * m["num_hidden_layers"] * conf["batch_size"] * conf["seq_len"]
+    checkpoints *= m["hidden_size"]
     return {
         "weights": edge + one_block,
         "adapter": adapter + grads,

@@ -28,7 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-FORMAT, VERSION = "mesp-artifacts", 1
+from mesp.ondevice.contract import FORMAT, VERSION
+
 PEFT_PREFIX = "base_model.model."
 Tensors = dict[str, torch.Tensor]
 
