@@ -86,6 +86,27 @@ void FileView::release() {
   mapped_ = false;
 }
 
+namespace {
+
+// All of n bytes at offset through pread (write false) or pwrite (write true), retrying short
+// transfers and EINTR; false with `why` on an error or an early end of file.
+bool transfer_all(int fd, uint64_t offset, uint8_t* p, size_t n, bool write, std::string& why) {
+  size_t done = 0;
+  while (done < n) {
+    const off_t at = static_cast<off_t>(offset + done);
+    ssize_t r = write ? pwrite(fd, p + done, n - done, at) : pread(fd, p + done, n - done, at);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      why = r < 0 ? std::strerror(errno) : (write ? "nothing written" : "unexpected end of file");
+      return false;
+    }
+    done += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+}  // namespace
+
 bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& out,
              std::string& why) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -94,19 +115,9 @@ bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& ou
     return false;
   }
   out.assign(n, '\0');
-  size_t got = 0;
-  while (got < n) {
-    ssize_t r = pread(fd, &out[got], n - got, static_cast<off_t>(offset + got));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      why = r < 0 ? std::strerror(errno) : "unexpected end of file";
-      ::close(fd);
-      return false;
-    }
-    got += static_cast<size_t>(r);
-  }
+  const bool ok = transfer_all(fd, offset, reinterpret_cast<uint8_t*>(&out[0]), n, false, why);
   ::close(fd);
-  return true;
+  return ok;
 }
 
 ScratchFile::~ScratchFile() {
@@ -137,33 +148,13 @@ bool ScratchFile::open(const std::string& dir, std::string& why) {
 }
 
 bool ScratchFile::write(uint64_t offset, const void* p, size_t n, std::string& why) {
-  const auto* b = static_cast<const uint8_t*>(p);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t r = pwrite(fd_, b + done, n - done, static_cast<off_t>(offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      why = r < 0 ? std::strerror(errno) : "nothing written";
-      return false;
-    }
-    done += static_cast<size_t>(r);
-  }
-  return true;
+  // pwrite only reads the buffer: the cast serves the one helper for both directions
+  return transfer_all(fd_, offset, const_cast<uint8_t*>(static_cast<const uint8_t*>(p)), n, true,
+                      why);
 }
 
 bool ScratchFile::read(uint64_t offset, void* p, size_t n, std::string& why) const {
-  auto* b = static_cast<uint8_t*>(p);
-  size_t got = 0;
-  while (got < n) {
-    ssize_t r = pread(fd_, b + got, n - got, static_cast<off_t>(offset + got));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      why = r < 0 ? std::strerror(errno) : "unexpected end of file";
-      return false;
-    }
-    got += static_cast<size_t>(r);
-  }
-  return true;
+  return transfer_all(fd_, offset, static_cast<uint8_t*>(p), n, false, why);
 }
 
 int64_t file_size(const std::string& path) {
