@@ -96,15 +96,15 @@ def test_the_driver_loads_no_model_code() -> None:
 
 
 def test_the_driver_imports_only_torch_safetensors_executorch_and_its_contract() -> None:
-    from mesp.ondevice import contract
+    from mesp.ondevice import contract, kernels
 
     seen: set[str] = set()
-    for mod in (runner, et_driver, contract):
+    for mod in (runner, et_driver, contract, kernels):
         tree = ast.parse(Path(mod.__file__).read_text())
         seen |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         seen |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     ours = {m for m in seen if m.split(".")[0] == "mesp"}
-    assert ours == {"mesp.ondevice.runner", "mesp.ondevice.contract"}, ours
+    assert ours == {"mesp.ondevice.runner", "mesp.ondevice.contract", "mesp.ondevice.kernels"}
     third_party = {m.split(".")[0] for m in seen - ours} - set(sys.stdlib_module_names)
     assert third_party == {"torch", "safetensors", "executorch"}, third_party
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mesp.ondevice.contract import ADAMW_SCALARS, ET_VERSION, adamw_scalars, fnv1a64
+from mesp.ondevice.kernels import KernelError, load_kernels
 from mesp.ondevice.runner import (
     PEFT_PREFIX,
     Artifacts,
@@ -59,6 +60,14 @@ class Programs:
                 f"{ET_VERSION}: export again with this mesp"
             )
         self.rows: dict[str, Any] = et["programs"]
+        if et.get("kernels"):  # mesp::qlinear / qmatmul: registered before any program loads
+            try:
+                load_kernels()
+            except KernelError as e:
+                raise RunnerError(
+                    f"{art.root}: its programs call mesp's kernels ({e}); export with "
+                    "--aten-dequant for programs without them"
+                ) from None
         rt = Runtime.get()
         self._programs, self._methods = {}, {}
         for name, row in self.rows.items():

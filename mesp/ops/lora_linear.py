@@ -14,15 +14,17 @@ from torch import Tensor
 
 from mesp.models.linear import FrozenWeight
 from mesp.ops.matmul import TracedBlocks, add_product, addmm_, linear, matmul
+from mesp.ops.qmatmul import PackedKernel
 
 # A frozen (out, in) base: a FrozenWeight (dense or packed), a plain tensor, dtype -> tensor, or
-# a traced program's weight in blocks.
-WeightSource = FrozenWeight | Tensor | Callable[[torch.dtype], Tensor] | TracedBlocks
+# a traced program's weight in blocks or behind mesp's kernel ops.
+WeightSource = FrozenWeight | Tensor | Callable[[torch.dtype], Tensor] | TracedBlocks | PackedKernel
+_OWN_PRODUCTS = (FrozenWeight, TracedBlocks, PackedKernel)  # bases with their own linear/matmul
 
 
 def dense_weight(base: WeightSource, dtype: torch.dtype) -> Tensor:
     """The (out, in) base weight in dtype; a fresh temporary when the base is quantized."""
-    if isinstance(base, FrozenWeight):
+    if isinstance(base, FrozenWeight | PackedKernel):
         return base.dense(dtype)
     if isinstance(base, TracedBlocks):
         every = slice(0, None)
@@ -34,14 +36,14 @@ def dense_weight(base: WeightSource, dtype: torch.dtype) -> Tensor:
 
 def base_linear(x: Tensor, base: WeightSource, bias: Tensor | None = None) -> Tensor:
     """x (..., in) Wᵀ (+ bias), in x.dtype: a FrozenWeight's own (blocked) matmul."""
-    if isinstance(base, FrozenWeight | TracedBlocks):
+    if isinstance(base, _OWN_PRODUCTS):
         return base.linear(x, bias)
     return linear(x, dense_weight(base, x.dtype), bias)
 
 
 def base_matmul(dy: Tensor, base: WeightSource) -> Tensor:
     """dy (..., out) W, in dy.dtype: a FrozenWeight's own (blocked) matmul."""
-    if isinstance(base, FrozenWeight | TracedBlocks):
+    if isinstance(base, _OWN_PRODUCTS):
         return base.matmul(dy)
     return matmul(dy, dense_weight(base, dy.dtype))
 

@@ -1,0 +1,217 @@
+// mesp::qlinear.out and mesp::qmatmul.out: the products of a block with a packed 4- or 8-bit
+// frozen matrix, as ExecuTorch kernels (the ops mesp/ops/qmatmul.py defines for the export).
+//
+//   qlinear  y (M, N) = x (M, K) Wᵀ     W (N, K) dequantized a block of rows at a time
+//   qmatmul  dx (M, K) = dy (M, N) W    W dequantized a block of whole groups of columns at a time
+//
+// W is stored as mesp.quant.packed_bytes: bytes (N, K·bits/8), byte k holding values 2k (low
+// nibble) and 2k + 1 (high nibble) at 4 bits, value k at 8 bits; scales and biases (N, K/g) fp32;
+// w = q·scale + bias, rounded twice as mesp.quant.dequantize_core_aten does (this file is
+// compiled with -ffp-contract=off, so no fused multiply-add merges the two). Each block goes
+// through XNNPACK's fp32 fully-connected operator on ExecuTorch's thread pool. So a product
+// holds one block of fp32 values and XNNPACK's packing of it (about 2 × kBlockBytes), where a
+// graph that dequantizes W whole holds all of W in fp32 in its arena and again packed in the
+// XNNPACK workspace. The cut keeps every dot product whole (rows of W for x Wᵀ, columns for
+// dy W), so the sums are XNNPACK's own, as in the delegated linears of the graphs.
+//
+// Linked into mesp-runner, and built as libmesp_kernels.so for the Python driver (loaded before
+// the programs: its static initializer registers the kernels in the shared libexecutorch.so).
+#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
+#include <executorch/runtime/kernel/kernel_includes.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+
+struct pthreadpool;  // pthreadpool's opaque pool (C, global namespace)
+namespace executorch::extension::threadpool {
+::pthreadpool* get_pthreadpool();  // the pool the XNNPACK delegate runs on
+}
+
+// XNNPACK's operator API as libexecutorch_backend_xnnpack.so exports it (the wheel ships no
+// xnnpack.h); the status enum is returned as int (0: success).
+extern "C" {
+typedef struct xnn_operator* xnn_operator_t;
+int xnn_initialize(const void* allocator);
+int xnn_create_fully_connected_nc_f32(size_t input_channels, size_t output_channels,
+                                      size_t input_stride, size_t output_stride,
+                                      const float* kernel, const float* bias, float output_min,
+                                      float output_max, uint32_t flags, void* weights_cache,
+                                      xnn_operator_t* op_out);
+int xnn_reshape_fully_connected_nc_f32(xnn_operator_t op, size_t batch_size, ::pthreadpool* pool);
+int xnn_setup_fully_connected_nc_f32(xnn_operator_t op, const float* input, float* output);
+int xnn_run_operator(xnn_operator_t op, ::pthreadpool* pool);
+int xnn_delete_operator(xnn_operator_t op);
+void pthreadpool_parallelize_1d(::pthreadpool* pool, void (*task)(void*, size_t), void* context,
+                                size_t range, uint32_t flags);
+}
+
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::SizesType;
+using executorch::aten::Tensor;
+using executorch::runtime::Error;
+using executorch::runtime::KernelRuntimeContext;
+
+constexpr size_t kBlockBytes = size_t(1) << 20;  // fp32 bytes of W per block
+constexpr uint32_t kTransposeWeights = 1;         // XNN_FLAG_TRANSPOSE_WEIGHTS: kernel (in, out)
+
+// W (N, K) as stored, and the shape checks every product needs.
+struct Packed {
+  const uint8_t* q;
+  const float* s;
+  const float* b;
+  int64_t n, k, bits, group, row_bytes, groups;
+
+  // values c0:c1 of row r (c0, c1 on group boundaries) into out
+  void row(int64_t r, int64_t c0, int64_t c1, float* out) const {
+    const uint8_t* qr = q + r * row_bytes;
+    const float* sr = s + r * groups;
+    const float* br = b + r * groups;
+    for (int64_t g0 = c0; g0 < c1; g0 += group) {
+      const float sc = sr[g0 / group], bi = br[g0 / group];
+      for (int64_t c = g0; c < g0 + group; ++c) {
+        const uint32_t byte = bits == 8 ? qr[c] : qr[c >> 1];
+        const float v = float(bits == 8 ? byte : (c & 1 ? byte >> 4 : byte & 15u));
+        const float t = v * sc;
+        *out++ = t + bi;
+      }
+    }
+  }
+};
+
+struct Fill {  // one block: rows r0:r0+rows (all columns), or all rows and columns c0:c1
+  const Packed* w;
+  float* buf;
+  int64_t r0, c0, c1;
+};
+
+void fill_rows(void* ctx, size_t i) {  // buf (rows, K): W[r0 + i, :]
+  auto* f = static_cast<Fill*>(ctx);
+  f->w->row(f->r0 + int64_t(i), 0, f->w->k, f->buf + int64_t(i) * f->w->k);
+}
+
+void fill_cols(void* ctx, size_t i) {  // buf (N, c1 - c0): W[i, c0:c1]
+  auto* f = static_cast<Fill*>(ctx);
+  f->w->row(int64_t(i), f->c0, f->c1, f->buf + int64_t(i) * (f->c1 - f->c0));
+}
+
+// out[:, 0:out_ch] (row stride out_stride) = in (M, in_ch; row stride in_stride) · kernel
+bool fully_connected(const float* in, size_t m, size_t in_ch, size_t in_stride,
+                     const float* kernel, size_t out_ch, uint32_t flags, float* out,
+                     size_t out_stride, ::pthreadpool* pool) {
+  xnn_operator_t op = nullptr;
+  const float inf = std::numeric_limits<float>::infinity();
+  if (xnn_create_fully_connected_nc_f32(in_ch, out_ch, in_stride, out_stride, kernel, nullptr,
+                                        -inf, inf, flags, nullptr, &op) != 0)
+    return false;
+  const bool ok = xnn_reshape_fully_connected_nc_f32(op, m, pool) == 0 &&
+                  xnn_setup_fully_connected_nc_f32(op, in, out) == 0 &&
+                  xnn_run_operator(op, pool) == 0;
+  xnn_delete_operator(op);
+  return ok;
+}
+
+// linear: a is x (..., K) and out y (..., N); else a is dy (..., N) and out dx (..., K)
+bool checked(KernelRuntimeContext& ctx, bool linear, const Tensor& a, const Tensor& wq,
+             const Tensor& sc, const Tensor& bi, int64_t bits, int64_t group, Tensor& out,
+             Packed* w) {
+  const char* name = linear ? "linear" : "matmul";
+  bool ok = a.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float &&
+            wq.scalar_type() == ScalarType::Byte && sc.scalar_type() == ScalarType::Float &&
+            bi.scalar_type() == ScalarType::Float && wq.dim() == 2 && sc.dim() == 2 &&
+            bi.dim() == 2 && (bits == 4 || bits == 8) && group > 0 && a.dim() >= 1;
+  if (ok) {
+    const int64_t n = wq.size(0), k = wq.size(1) * 8 / bits;
+    *w = {wq.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(), bi.const_data_ptr<float>(),
+          n, k, bits, group, wq.size(1), k / group};
+    ok = k % group == 0 && group % 2 == 0 && sc.size(0) == n && bi.size(0) == n &&
+         sc.size(1) == k / group && bi.size(1) == k / group &&
+         a.size(a.dim() - 1) == (linear ? k : n);
+  }
+  if (!ok) {
+    ET_LOG(Error, "mesp::q%s: bad shapes or dtypes", name);
+    ctx.fail(Error::InvalidArgument);
+    return false;
+  }
+  // out: a's shape with the last dim replaced
+  SizesType sizes[16];
+  const size_t nd = std::min<size_t>(a.dim(), 16);
+  for (size_t d = 0; d < nd; ++d) sizes[d] = SizesType(a.size(d));
+  sizes[nd - 1] = SizesType(linear ? w->n : w->k);
+  if (executorch::runtime::resize_tensor(out, {sizes, nd}) != Error::Ok) {
+    ET_LOG(Error, "mesp::q%s: cannot resize the output", name);
+    ctx.fail(Error::InvalidArgument);
+    return false;
+  }
+  return true;
+}
+
+void* block_buffer(size_t bytes) { return std::aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+}  // namespace
+
+namespace mesp_kernels {
+
+// y (..., N) = x (..., K) Wᵀ: W in blocks of whole rows (output columns of y)
+Tensor& qlinear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
+                    const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
+                    Tensor& out) {
+  Packed w{};
+  if (!checked(ctx, true, x, wq, scales, biases, bits, group, out, &w)) return out;
+  xnn_initialize(nullptr);
+  auto* pool = executorch::extension::threadpool::get_pthreadpool();
+  const size_t m = size_t(x.numel() / w.k);
+  const int64_t step = std::max<int64_t>(1, int64_t(kBlockBytes / (4 * size_t(w.k))));
+  std::unique_ptr<float, decltype(&std::free)> buf(
+      static_cast<float*>(block_buffer(4 * size_t(std::min(step, w.n) * w.k))), &std::free);
+  float* y = out.mutable_data_ptr<float>();
+  for (int64_t r0 = 0; r0 < w.n && m > 0; r0 += step) {
+    const int64_t rows = std::min(step, w.n - r0);
+    Fill f{&w, buf.get(), r0, 0, w.k};
+    pthreadpool_parallelize_1d(pool, fill_rows, &f, size_t(rows), 0);
+    if (!fully_connected(x.const_data_ptr<float>(), m, size_t(w.k), size_t(w.k), buf.get(),
+                         size_t(rows), 0, y + r0, size_t(w.n), pool)) {
+      ET_LOG(Error, "mesp::qlinear: XNNPACK's fully-connected operator failed");
+      ctx.fail(Error::Internal);
+      return out;
+    }
+  }
+  return out;
+}
+
+// dx (..., K) = dy (..., N) W: W in blocks of whole groups of columns (output columns of dx)
+Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
+                    const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
+                    Tensor& out) {
+  Packed w{};
+  if (!checked(ctx, false, dy, wq, scales, biases, bits, group, out, &w)) return out;
+  xnn_initialize(nullptr);
+  auto* pool = executorch::extension::threadpool::get_pthreadpool();
+  const size_t m = size_t(dy.numel() / w.n);
+  const int64_t per = int64_t(kBlockBytes / (4 * size_t(w.n))) / group * group;
+  const int64_t step = std::min(std::max(group, per), w.k);
+  std::unique_ptr<float, decltype(&std::free)> buf(
+      static_cast<float*>(block_buffer(4 * size_t(step * w.n))), &std::free);
+  float* dx = out.mutable_data_ptr<float>();
+  for (int64_t c0 = 0; c0 < w.k && m > 0; c0 += step) {
+    const int64_t cols = std::min(step, w.k - c0);
+    Fill f{&w, buf.get(), 0, c0, c0 + cols};
+    pthreadpool_parallelize_1d(pool, fill_cols, &f, size_t(w.n), 0);
+    if (!fully_connected(dy.const_data_ptr<float>(), m, size_t(w.n), size_t(w.n), buf.get(),
+                         size_t(cols), kTransposeWeights, dx + c0, size_t(w.k), pool)) {
+      ET_LOG(Error, "mesp::qmatmul: XNNPACK's fully-connected operator failed");
+      ctx.fail(Error::Internal);
+      return out;
+    }
+  }
+  return out;
+}
+
+}  // namespace mesp_kernels
+
+EXECUTORCH_LIBRARY(mesp, "qlinear.out", mesp_kernels::qlinear_out);
+EXECUTORCH_LIBRARY(mesp, "qmatmul.out", mesp_kernels::qmatmul_out);
