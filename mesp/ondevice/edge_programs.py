@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mesp.ondevice.programs import Tensors, WeightSpec, dense, dequantizer, rows
-from mesp.ops.cross_entropy import _dlogits, _logits
+from mesp.ops.cross_entropy import _capped, _dlogits, _logits
 from mesp.ops.norm import rms_norm, rms_norm_backward
+from mesp.ops.qmatmul import PackedKernel
 
 
 @dataclass(frozen=True)
@@ -110,11 +111,16 @@ def loss_slice(es: EdgeSpec, head: Tensors, st: Tensors, tgt: Tensor, v0: Tensor
     ct = torch.promote_types(hs.dtype, torch.float32)
     width = head["weight"].shape[0]
     p = es.head.prefix
-    ws = rows({f"{p}.{k}": t for k, t in head.items()}, es.head, 0, width, hs.dtype).to(hs.dtype)
+    if es.head.kernel and es.head.quant is not None:  # the slice stays packed (mesp.ops.qmatmul)
+        ws = PackedKernel(head["weight"], head["scales"], head["biases"], es.head.quant)
+        z, t = _capped(ws.linear(hs).to(ct), es.softcap)
+    else:
+        ws = rows({f"{p}.{k}": t for k, t in head.items()}, es.head, 0, width, hs.dtype)
+        ws = ws.to(hs.dtype)
+        z, t = _logits(hs, ws, es.softcap, ct)
     local = tgt - v0
     hit = (local >= 0) & (local < width)
     col = torch.where(hit, local, 0)[:, None]
-    z, t = _logits(hs, ws, es.softcap, ct)
     tz = torch.where(hit, z.gather(1, col).squeeze(1), st["tz"])  # before z changes
     m = st["m"]
     m_new = torch.maximum(m, z.amax(-1))
@@ -125,7 +131,12 @@ def loss_slice(es: EdgeSpec, head: Tensors, st: Tensors, tgt: Tensor, v0: Tensor
         c = t.square().neg().add(1.0)
         out["ctg"] = torch.where(hit, c.gather(1, col).squeeze(1), st["ctg"])
         e = e.mul(c)
-    out["acc"] = st["acc"].mul(scale[:, None]).add(e.to(ws.dtype) @ ws)
+    eh = e.to(hs.dtype)
+    out["acc"] = (
+        st["acc"]
+        .mul(scale[:, None])
+        .add(ws.matmul(eh) if isinstance(ws, PackedKernel) else eh @ ws)
+    )
     return out
 
 

@@ -65,15 +65,29 @@ class ExportOptions:
         metadata={"help": "ExecuTorch attention: query rows per tile (scores are tile × seq)"},
     )
     portable: bool = field(
-        default=False, metadata={"help": "ExecuTorch: portable kernels only, no XNNPACK delegate"}
+        default=False,
+        metadata={
+            "help": "ExecuTorch: portable kernels only, no XNNPACK delegate (mesp's kernel ops "
+            "still multiply the 4/8-bit matrices, through XNNPACK's operator API)"
+        },
     )
     weight_block_kb: int = field(
         default=0,
         metadata={
-            "help": "ExecuTorch: dequantize each 4/8-bit block matrix in blocks of at most KB "
-            "KiB of fp32 (rows for x Wᵀ, columns for dy W) instead of whole; less memory "
-            "inside XNNPACK, more calls (0: whole matrices)",
+            "help": "ExecuTorch: dequantize each 4/8-bit block matrix in the graph, in blocks "
+            "of at most KB KiB of fp32 (rows for x Wᵀ, columns for dy W) instead of with "
+            "mesp's kernel ops (implies --aten-dequant; 0: the kernel ops)",
             "metavar": "KB",
+        },
+    )
+
+    aten_dequant: bool = field(
+        default=False,
+        metadata={
+            "help": "ExecuTorch: dequantize the 4/8-bit block matrices with ATen ops in the "
+            "graphs (any ExecuTorch runtime runs them) instead of mesp's kernel ops "
+            "mesp::qlinear/qmatmul (which the native runner and mesp run-artifacts bring: "
+            "a block of the matrix at a time, far less memory)"
         },
     )
 
@@ -248,6 +262,7 @@ def export_model(
             writer,
             delegate=not opts.portable,
             weight_block_bytes=opts.weight_block_kb << 10,
+            kernel=not opts.aten_dequant,
         )
         writer.path("run_config.json").write_text(json.dumps(conf, indent=1) + "\n")
         writer.commit()

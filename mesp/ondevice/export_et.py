@@ -28,7 +28,7 @@ from mesp.models.transformer import CausalLM
 from mesp.ondevice.contract import ET_VERSION, fnv1a64
 from mesp.ondevice.edge_programs import EdgeSpec, head_slice
 from mesp.ondevice.lower import io_rows, lower
-from mesp.ondevice.programs import BlockSpec, block_parts, example_hidden
+from mesp.ondevice.programs import BlockSpec, WeightSpec, block_parts, example_hidden
 from mesp.ondevice.steps import (
     ADAMW_SCALARS,
     Flat,
@@ -41,6 +41,7 @@ from mesp.ondevice.steps import (
     loss_start_step,
     sgd_step,
 )
+from mesp.ops.qmatmul import KERNEL_BITS, KERNEL_OPS
 from mesp.quant import packed_bytes
 
 
@@ -49,20 +50,31 @@ def edge_weights(w: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: packed_bytes(v) if v.dtype == torch.int32 else v for k, v in w.items()}
 
 
-def edge_block_spec(bs: BlockSpec, tile: int, block_bytes: int = 0) -> BlockSpec:
+def edge_block_spec(
+    bs: BlockSpec, tile: int, block_bytes: int = 0, kernel: bool = False
+) -> BlockSpec:
     """The block spec with the edge formulations: core-ATen unpack, query-tiled attention, and
-    with block_bytes, quantized weights dequantized in blocks of at most that many fp32 bytes
-    (mesp.ops.matmul.TracedBlocks: XNNPACK then holds a block's values and packing, not a
-    whole matrix's; 0: whole)."""
+    for the quantized weights either mesp's kernel ops (`kernel`: mesp.ops.qmatmul, dequantized
+    a block at a time inside the runtime) or, with block_bytes, dequantized in the graph in
+    blocks of at most that many fp32 bytes (mesp.ops.matmul.TracedBlocks: XNNPACK then holds a
+    block's values and packing, not a whole matrix's; 0: whole)."""
     bb = block_bytes or None
-    lins = tuple((n, replace(ws, core_aten=True, block_bytes=bb)) for n, ws in bs.linears)
+
+    def edge(ws: WeightSpec) -> WeightSpec:
+        own = kernel and ws.quant is not None and ws.quant.bits in KERNEL_BITS
+        return replace(ws, core_aten=True, block_bytes=bb, kernel=own)
+
+    lins = tuple((n, edge(ws)) for n, ws in bs.linears)
     return replace(bs, linears=lins, attn_tile=tile)
 
 
-def edge_spec(es: EdgeSpec) -> EdgeSpec:
-    return replace(
-        es, embed=replace(es.embed, core_aten=True), head=replace(es.head, core_aten=True)
-    )
+def edge_spec(es: EdgeSpec, kernel: bool = False) -> EdgeSpec:
+    """The loss and embedding spec with the core-ATen unpack; with `kernel`, a 4/8-bit head's
+    slice products as mesp's kernel ops (the slice is never dequantized whole)."""
+    q = es.head.quant
+    own = kernel and q is not None and q.bits in KERNEL_BITS
+    head = replace(es.head, core_aten=True, kernel=own)
+    return replace(es, embed=replace(es.embed, core_aten=True), head=head)
 
 
 class _Programs:
@@ -158,8 +170,13 @@ def export_executorch(
     writer: Any,
     delegate: bool = True,
     weight_block_bytes: int = 0,
+    kernel: bool = True,
 ) -> dict[str, Any]:
-    """Lower every program of a step; returns run_config.json's "executorch" section."""
+    """Lower every program of a step; returns run_config.json's "executorch" section. With
+    `kernel` (and no weight_block_bytes), the block programs call mesp's kernel ops for their
+    4/8-bit matrices; the section's "kernels" names them (a driver must bring them)."""
+    kernel = kernel and not weight_block_bytes
+    used = False
     S, B, hid = seq_len, batch_size, model.config.hidden_size
     x, g = example_hidden(model, B, S)
     progs = _Programs(writer, delegate)
@@ -168,7 +185,8 @@ def export_executorch(
         w, lora = block_parts(model.layers[i])
         w = edge_weights(w)
         max_lora = max([max_lora, *(t.numel() for t in lora.values())])
-        ebs = edge_block_spec(bs, attn_tile, weight_block_bytes)
+        ebs = edge_block_spec(bs, attn_tile, weight_block_bytes, kernel)
+        used = used or any(ws.kernel for _, ws in ebs.linears)
         named = {
             **{f"weights/{k}": v for k, v in w.items()},
             **{f"lora/{k}": v for k, v in lora.items()},
@@ -180,7 +198,8 @@ def export_executorch(
         progs.add(
             f"{gid}.backward", backward_step(ebs, list(lora)), {**named, "x": x, "dy": dy}, outs
         )
-    ees = edge_spec(es)
+    ees = edge_spec(es, kernel)
+    used = used or ees.head.kernel
     ids = torch.zeros(B, S, dtype=torch.long)
     progs.add(
         "embed",
@@ -207,6 +226,7 @@ def export_executorch(
         "backend": "xnnpack" if delegate else "portable",
         "attn_tile": attn_tile,
         "weight_block_bytes": weight_block_bytes,
+        "kernels": list(KERNEL_OPS) if used else [],
         "loss": loss,
         "programs": progs.rows,
         "planned_bytes_max": max(sum(r["planned_bytes"]) for r in progs.rows.values()),

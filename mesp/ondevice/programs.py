@@ -30,6 +30,7 @@ from mesp.ops.lora_linear import lora_linear_backward
 from mesp.ops.matmul import TracedBlocks, add_product
 from mesp.ops.mlp import gated_act, gated_act_backward
 from mesp.ops.norm import rms_norm, rms_norm_backward, rms_norm_heads, rms_norm_heads_backward
+from mesp.ops.qmatmul import PackedKernel
 from mesp.ops.rope import apply_rope, apply_rope_backward
 from mesp.quant import QuantSpec, dequantize, dequantize_core_aten
 
@@ -60,6 +61,9 @@ class WeightSpec:
     # a quantized weight dequantized in blocks of at most this many fp32 bytes (row blocks for
     # x Wᵀ, column blocks for dy W: mesp.ops.matmul.TracedBlocks); None: whole, at once
     block_bytes: int | None = None
+    # a quantized weight's products as mesp's kernel ops (mesp.ops.qmatmul: mesp::qlinear and
+    # mesp::qmatmul, which dequantize in blocks inside the runtime); overrides block_bytes
+    kernel: bool = False
 
 
 def dequantizer(ws: WeightSpec) -> Callable[..., Tensor]:
@@ -74,11 +78,16 @@ def dense(w: Tensors, ws: WeightSpec, dtype: torch.dtype | None) -> Tensor:
     return dequantizer(ws)(w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"], ws.quant, dtype)
 
 
-def base(w: Tensors, ws: WeightSpec) -> TracedBlocks | Callable[[torch.dtype], Tensor]:
-    """The frozen matrix for ops.lora_linear: in blocks where ws says so, else whole."""
+def base(
+    w: Tensors, ws: WeightSpec
+) -> PackedKernel | TracedBlocks | Callable[[torch.dtype], Tensor]:
+    """The frozen matrix for ops.lora_linear: kernel ops or blocks where ws says so, else whole."""
+    p = ws.prefix
+    if ws.quant is not None and ws.kernel:
+        return PackedKernel(w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"], ws.quant)
     if ws.quant is None or ws.block_bytes is None:
         return lambda dt: dense(w, ws, dt)
-    p, g = ws.prefix, ws.quant.group_size
+    g = ws.quant.group_size
     wq, sc, bi = w[f"{p}.weight"], w[f"{p}.scales"], w[f"{p}.biases"]
     in_f = sc.shape[1] * g
     per = wq.shape[1] // (in_f // g)  # packed units per group (words or bytes)
@@ -186,7 +195,7 @@ def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> T
     order (the lowering writes addmm out as mm, mul and add: see mesp.ondevice.lower)."""
     ws = bs.lin(name)
     src = base(w, ws)
-    y = src.linear(x) if isinstance(src, TracedBlocks) else F.linear(x, src(x.dtype))
+    y = src.linear(x) if isinstance(src, PackedKernel | TracedBlocks) else F.linear(x, src(x.dtype))
     if ws.bias:
         y = y + w[f"{ws.prefix}.bias"]
     if ws.lora_scale is not None:
@@ -286,7 +295,9 @@ def _lin_bwd(
     ws = bs.lin(name)
     src = base(w, ws)
     if ws.lora_scale is None:
-        return src.matmul(dy) if isinstance(src, TracedBlocks) else dy @ src(dy.dtype)
+        return (
+            src.matmul(dy) if isinstance(src, PackedKernel | TracedBlocks) else dy @ src(dy.dtype)
+        )
     a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
     ga, gb = torch.zeros_like(a), torch.zeros_like(b)
     grads[f"{ws.prefix}.lora_A"], grads[f"{ws.prefix}.lora_B"] = ga, gb

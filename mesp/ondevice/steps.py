@@ -67,7 +67,12 @@ def backward_step(bs: BlockSpec, lora_names: list[str]) -> Callable[[Named], Nam
         # (it has no uint8 -> fp32 convert) and all feed its one large partition, so all are
         # in the arena together: at Qwen2.5-0.5B, 5 casts of 8.3 MiB become 3 (arena 76.6 ->
         # 60.0 MiB). The values are the bytes, exactly; the unpack's own .to() is then a no-op.
-        w = {k: v.to(d["x"].dtype) if v.dtype == torch.uint8 else v for k, v in w.items()}
+        # (The kernel ops read the bytes themselves: their weights are not cast.)
+        own = {f"{ws.prefix}.weight" for _, ws in bs.linears if ws.kernel}
+        w = {
+            k: v.to(d["x"].dtype) if v.dtype == torch.uint8 and k not in own else v
+            for k, v in w.items()
+        }
         tape: Named = {}
         block_forward(bs, w, lora, d["x"], ctx, tape)
         dx, grads = block_backward(bs, tape, d["dy"], d["x"], w, lora, ctx)

@@ -25,7 +25,11 @@ def _logits(hc: Tensor, w: Tensor, cap: float | None, ct: torch.dtype) -> tuple[
     t = tanh(z/cap) for the derivative (an empty tensor when uncapped)."""
     # fp32 keeps the plain matmul: the exported loss programs trace this op (F.linear there
     # specializes their dynamic row count under a logit softcap)
-    z = (linear(hc, w) if computes_in_fp32(hc) else hc @ w.t()).to(ct)
+    return _capped((linear(hc, w) if computes_in_fp32(hc) else hc @ w.t()).to(ct), cap)
+
+
+def _capped(z: Tensor, cap: float | None) -> tuple[Tensor, Tensor]:
+    """_logits' cap on the logits z (in place): (cap·tanh(z/cap), tanh(z/cap)), or (z, empty)."""
     if not cap:
         return z, z.new_empty(0)
     t = z.div_(cap).tanh_()
