@@ -76,6 +76,7 @@ def planned_step(art_dir: Path) -> dict[str, Any]:
         "largest": largest,
         "programs": {k: sum(r["planned_bytes"]) for k, r in progs.items()},
         "backend": et.get("backend", "?"),
+        "kernels": bool(et.get("kernels")),
     }
 
 
@@ -126,6 +127,7 @@ def memory_lines(fig: dict[str, Any]) -> list[str]:
         f"{plan['largest']}, sizes them) + block-input checkpoints "
         f"{plan['checkpoints'] / 2**20:.1f}; programs' planned MiB: "
         + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in top),
-        f"not planned: the runtime, its libraries and the {plan['backend']} workspace "
-        "(measured by `mesp bench ondevice`)",
+        f"not planned: the runtime, its libraries, the {plan['backend']} workspace"
+        + (" and mesp's kernels' block buffers (2 x 1 MiB)" if plan["kernels"] else "")
+        + " (measured by `mesp bench ondevice`)",
     ]
