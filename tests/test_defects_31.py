@@ -169,7 +169,9 @@ def test_the_runners_adapter_gets_the_umask_mode(tmp_path: Path) -> None:
 
     old = os.umask(0o022)
     try:
-        runner._atomic(tmp_path / "adapter_model.safetensors", lambda p: Path(p).write_bytes(b"x"))
+        runner.write_atomic(
+            tmp_path / "adapter_model.safetensors", lambda p: Path(p).write_bytes(b"x")
+        )
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "adapter_model.safetensors").stat().st_mode) == 0o644

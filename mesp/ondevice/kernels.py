@@ -19,8 +19,9 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from mesp.ondevice.runner import write_atomic
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
 # as the wheel's CMake package asks (runtime/CMakeLists.txt: MESP_ET_DEFINITIONS)
@@ -60,8 +61,7 @@ def _command(cxx: str, root: Path, out: str) -> list[str]:
     ]  # fmt: skip
 
 
-def library_path() -> Path:
-    root, cxx = executorch_root(), compiler()
+def library_path(root: Path, cxx: str) -> Path:
     key = hashlib.sha256(SOURCE.read_bytes())
     key.update(" ".join(_command(cxx, root, "")).encode())
     key.update(importlib.metadata.version("executorch").encode())
@@ -70,27 +70,30 @@ def library_path() -> Path:
 
 
 def build() -> Path:
-    """The library, compiled first if this machine has none for this source and executorch."""
-    target = library_path()
+    """The library, compiled first if this machine has none for this source and executorch.
+    The compiler writes a temp file that write_atomic renames over the target (the adapter
+    writer's rename: concurrent builders each land a whole library)."""
+    root, cxx = executorch_root(), compiler()
+    target = library_path(root, cxx)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.part")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            _command(compiler(), executorch_root(), tmp), capture_output=True, text=True,
-            timeout=300,
-        )  # fmt: skip
+
+    def compile_into(tmp: str) -> None:
+        try:
+            done = subprocess.run(
+                _command(cxx, root, tmp), capture_output=True, text=True, timeout=300
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelError(f"building {SOURCE.name} failed: {e}") from None
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise KernelError(f"building {SOURCE.name} failed: {last}")
-        os.replace(tmp, target)  # atomic: concurrent builders each land a whole file
-    except (OSError, subprocess.SubprocessError) as e:
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, compile_into)
+    except OSError as e:  # the cache directory cannot be written
         raise KernelError(f"building {SOURCE.name} failed: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 

@@ -205,9 +205,12 @@ class RunConfig:
     checkpoints_dir: str | None = None  # block inputs in a scratch file there, not in memory
 
 
-def _atomic(path: Path, write: Callable[[str], object]) -> None:
-    """Temp file, fsync, rename, fsync the directory. safetensors' writer raises
-    SafetensorError (not OSError) when the disk is full: it becomes an OSError here."""
+def write_atomic(path: Path, write: Callable[[str], object]) -> None:
+    """`write(tmp)` into a temp file beside `path`, fsync, rename over `path`, fsync the
+    directory: the adapter files and the kernel library (mesp.ondevice.kernels). The driver's
+    twin of mesp.atomic_io.atomic_write, which it cannot import (it loads no core modules).
+    safetensors' writer raises SafetensorError (not OSError) when the disk is full: it becomes
+    an OSError here."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
@@ -257,8 +260,8 @@ def save_adapter(trainer: Any, out: Path) -> None:
     }
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _atomic(out / "adapter_model.safetensors", lambda p: save_file(tensors, p))
-        _atomic(
+        write_atomic(out / "adapter_model.safetensors", lambda p: save_file(tensors, p))
+        write_atomic(
             out / "adapter_config.json", lambda p: Path(p).write_text(json.dumps(peft, indent=2))
         )
     except OSError as e:
