@@ -199,3 +199,34 @@ def test_ondevice_section_names_the_cpu_and_the_ratio() -> None:
     assert "| 9.00 | 6.00 | 1.50 | 150.0 |" in text
     assert "| 80.0 (g0.backward) | Xeon, 2 cores |" in text
     assert "| not recorded |" in text
+
+
+def test_ondevice_section_shows_the_outside_poll_and_flags_a_dishonest_peak() -> None:
+    """The table's outside-poll column is the larger of the runner's own figure and the 5 ms
+    poll's, marked (!) where the poll read more than the runner reported + 2%; the paper ratio
+    uses that larger figure; a row from before the poll says 'not polled'."""
+    from mesp.bench.ondevice import line, section
+
+    def row(own: float, polled: float | None) -> dict:
+        native = {
+            "median_s": 9.0,
+            "peak_anon_bytes": own,
+            "peak_rss_bytes": 300e6,
+            "planned_bytes": {"loss_slice": 50e6},
+        }
+        if polled is not None:
+            native |= {"polled_peak_anon_bytes": polled, "poll_period_s": 0.005}
+        return {
+            "table": "ondevice",
+            "status": "ok",
+            "config": {"shape": "qwen2.5-0.5b", "seq": 256, "bits": 4},
+            "native": native,
+            "engine": {"median_s": 6.0, "peak_rss_bytes": 900e6},
+            "cpu": "x",
+        }
+
+    text = "\n".join(section([row(100e6, 101e6), row(100e6, 136.2e6), row(100e6, None)]))
+    assert "| 100.0 | 101.0 | 0.74x |" in text
+    assert "| 100.0 | 136.2 (!) | 1.00x |" in text
+    assert "| 100.0 | not polled | 0.73x |" in text
+    assert "outside 5 ms poll 101.0 MB" in line(row(100e6, 101e6))

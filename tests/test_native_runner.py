@@ -27,7 +27,8 @@ STEP_LINE = re.compile(
     r"peak_rss \d+\.\dMiB anon \d+\.\dMiB$"
 )
 SAVED_LINE = re.compile(
-    r"^saved .+ after \d+ steps in \d+\.\d s; peak RSS \d+\.\d MiB \(anon \d+\.\d MiB\); "
+    r"^saved .+ after \d+ steps in \d+\.\d s; peak RSS \d+\.\d MiB \(anon \d+\.\d MiB, "
+    r"polled every \d+ us\); "
     r"planned memory \d+\.\d MiB; \d+ threads$"
 )
 
@@ -487,3 +488,35 @@ def test_inside_a_hard_memory_cap(runner_bin: Path, artifacts: Path, tmp_path: P
     assert r.ok and r.why().startswith("completed inside the 64 MB cap"), r.why()
     assert 0 < r.peak_bytes <= 64 * MB
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_reported_peak_holds_against_an_outside_poll(
+    runner_bin: Path, artifacts: Path, tmp_path: Path
+) -> None:
+    """The peak anon the runner reports (its own thread reads RssAnon every 1 ms, inside the
+    programs too) is never below what a 5 ms poll of /proc/PID/status from outside reads, less
+    2% (issue 37: the old between-programs samples missed ~20 MB at 0.5B). --memory-poll-us 0
+    leaves only those samples, and bad values are refused in one line."""
+    from mesp.memory.poll import run_polled
+
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts))
+    argv = [str(runner_bin), str(artifacts), "--data", str(data), "--steps", "3"]
+    argv += ["--out", str(tmp_path / "adapter"), "--json-log", str(tmp_path / "log.jsonl")]
+    r = run_polled(argv, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.samples > 0 and r.peak_anon_bytes > 0
+    saved = r.stdout.splitlines()[-1]
+    assert "polled every 1000 us" in saved, saved
+    reported = float(re.search(r"\(anon ([0-9.]+) MiB", saved).group(1)) * 2**20  # type: ignore[union-attr]
+    steps = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert max(s["anon_bytes"] for s in steps) <= reported + 0.05 * 2**20
+    assert r.peak_anon_bytes <= 1.02 * reported + 0.05 * 2**20, (r.peak_anon_bytes, reported)
+
+    r0 = _run(runner_bin, artifacts, data, tmp_path / "a0", "--memory-poll-us", "0")
+    assert r0.returncode == 0 and "polled every 0 us" in r0.stdout, r0.stderr
+    for bad in ("-1", "2000000", "x"):
+        _refused(
+            _run(runner_bin, artifacts, data, tmp_path / "bad", "--memory-poll-us", bad),
+            tmp_path / "bad",
+            "--memory-poll-us",
+        )

@@ -3,6 +3,7 @@
 //
 //   mesp-runner DIR --data ROWS.jsonl --steps N [--optimizer sgd|adamw] [--lr 1e-4]
 //               [--weight-decay 0] --out ADAPTER_DIR [--quiet] [--threads N] [--json-log FILE]
+//               [--memory-poll-us 1000]
 //
 // Every error is one line on stderr, "mesp-runner: error: <what>", exit code 2, no adapter.
 #include <cerrno>
@@ -28,6 +29,7 @@ const char* kUsage =
     "usage: mesp-runner DIR --data ROWS.jsonl --steps N --out ADAPTER_DIR\n"
     "                   [--optimizer sgd|adamw] [--lr 1e-4] [--weight-decay 0]\n"
     "                   [--quiet] [--threads N] [--json-log FILE] [--checkpoints-dir DIR]\n"
+    "                   [--memory-poll-us 1000]  (0: anon memory sampled between programs only)\n"
     "Trains LoRA adapters from a `mesp export --target executorch` directory.\n";
 
 struct Args {
@@ -36,6 +38,7 @@ struct Args {
   OptimConfig opt;
   bool quiet = false;
   int threads = 0;
+  int memory_poll_us = 1000;  // the anon watch's period (platform.h)
 };
 
 double parse_double(const std::string& flag, const std::string& v) {
@@ -84,7 +87,8 @@ Args parse_args(int argc, char** argv) {
     }
     static const char* kValued[] = {"--data",    "--steps",    "--optimizer",
                                     "--lr",      "--weight-decay", "--out",
-                                    "--threads", "--json-log", "--checkpoints-dir"};
+                                    "--threads", "--json-log", "--checkpoints-dir",
+                                    "--memory-poll-us"};
     bool known = false;
     for (const char* k : kValued) known = known || arg == k;
     if (!known) throw RunnerError("unknown flag " + arg + " (see --help)");
@@ -110,6 +114,11 @@ Args parse_args(int argc, char** argv) {
       a.opt.weight_decay = parse_double(arg, value);
     else if (arg == "--threads")
       a.threads = static_cast<int>(parse_int(arg, value));
+    else if (arg == "--memory-poll-us") {
+      const int64_t us = parse_int(arg, value);
+      if (us < 0 || us > 1000000) throw RunnerError("--memory-poll-us must be between 0 and 1000000");
+      a.memory_poll_us = static_cast<int>(us);
+    }
     else if (arg == "--optimizer") {
       if (value != "sgd" && value != "adamw")
         throw RunnerError("--optimizer must be sgd or adamw, not '" + value + "'");
@@ -136,6 +145,7 @@ int run(int argc, char** argv) {
   const double t0 = now_seconds();
   on_interrupt_exit();
   Args a = parse_args(argc, argv);
+  start_anon_watch(a.memory_poll_us);  // before anything is loaded: loading's transients count
   std::string why;
   if (file_size(a.out) >= 0) throw RunnerError(a.out + ": exists and is not a directory");
   if (!dir_writable(a.out, why))
@@ -194,10 +204,11 @@ int run(int argc, char** argv) {
   trainer.save(a.out);
   const MemInfo m = mem_info();
   std::printf(
-      "saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB); planned memory %.1f "
-      "MiB; %d threads\n",
+      "saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB, polled every %d "
+      "us); planned memory %.1f MiB; %d threads\n",
       a.out.c_str(), static_cast<long long>(a.steps), now_seconds() - t0, mib(m.peak_rss),
-      mib(trainer.peak_anon()), mib(programs.planned_bytes()), Programs::threads());
+      mib(trainer.peak_anon()), a.memory_poll_us, mib(programs.planned_bytes()),
+      Programs::threads());
   std::fflush(stdout);
   if (log != nullptr) std::fclose(log);
   return 0;

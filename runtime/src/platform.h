@@ -80,6 +80,15 @@ struct MemInfo {
 MemInfo mem_info();
 MemInfo mem_detail();
 
+// A thread that reads this process's anonymous RSS (/proc/self/statm: resident − shared pages,
+// the kernel's RssAnon) every `period_us` microseconds and keeps the largest value it saw, until
+// the process exits. Samples taken between programs miss what a program allocates and frees
+// inside one call (XNNPACK's packing buffers, the kernels' blocks); this sees every transient
+// that lives longer than the period. period_us <= 0 starts nothing; a second call changes
+// nothing. anon_watch_peak(): the largest value read so far (0 before the first read).
+void start_anon_watch(int period_us);
+uint64_t anon_watch_peak();
+
 // Ctrl-C / SIGTERM: print "mesp-runner: interrupted; no adapter written" and exit 130, as the
 // Python runner does (the adapter is only ever renamed into place whole).
 void on_interrupt_exit();

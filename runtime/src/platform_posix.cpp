@@ -7,12 +7,15 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <thread>
 #include <utility>
 
 #include "platform.h"
@@ -274,6 +277,46 @@ MemInfo mem_detail() {
     if (std::sscanf(line.c_str(), "Private_Dirty: %llu kB", &kb) == 1) m.private_dirty = kb * 1024;
   }
   return m;
+}
+
+namespace {
+std::atomic<uint64_t> g_anon_peak{0};
+std::atomic<bool> g_anon_watching{false};
+
+// RssAnon from statm's second and third fields (resident, shared = RssFile + RssShmem), in
+// bytes; 0 when it cannot be read. pread: procfs regenerates the text at offset 0 each time.
+uint64_t statm_anon(int fd, uint64_t page) {
+  char buf[160];
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  unsigned long long size = 0, resident = 0, shared = 0;
+  if (std::sscanf(buf, "%llu %llu %llu", &size, &resident, &shared) != 3 || shared > resident)
+    return 0;
+  return (resident - shared) * page;
+}
+}  // namespace
+
+void start_anon_watch(int period_us) {
+  if (period_us <= 0 || g_anon_watching.exchange(true)) return;
+  const int fd = ::open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;  // no procfs: the between-program samples are all there is
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  // Detached: it touches only the fd and two atomics, so it may run on while the process exits.
+  std::thread([fd, page, period_us] {
+    const auto period = std::chrono::microseconds(period_us);
+    for (;;) {
+      const uint64_t now = statm_anon(fd, page);
+      uint64_t seen = g_anon_peak.load(std::memory_order_relaxed);
+      while (now > seen && !g_anon_peak.compare_exchange_weak(seen, now)) {
+      }
+      std::this_thread::sleep_for(period);
+    }
+  }).detach();
+}
+
+uint64_t anon_watch_peak() {
+  return g_anon_peak.load(std::memory_order_relaxed);
 }
 
 static void interrupted(int) {

@@ -222,7 +222,7 @@ const TensorRef& Trainer::output(const std::vector<TensorRef>& outs, const std::
 }
 
 void Trainer::sample_memory() {
-  peak_anon_ = std::max(peak_anon_, mem_info().rss_anon);
+  peak_anon_ = std::max({peak_anon_, mem_info().rss_anon, anon_watch_peak()});
 }
 
 void Trainer::prepare(Programs& programs) {

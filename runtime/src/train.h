@@ -6,6 +6,7 @@
 //   -> sgd / adamw program on each block's LoRA tensors right after that block's backward.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -41,8 +42,9 @@ class Trainer {
   // Writes OUT/adapter_model.safetensors then OUT/adapter_config.json.
   void save(const std::string& out) const;
 
-  // Largest anonymous RSS seen after any program ran.
-  uint64_t peak_anon() const { return peak_anon_; }
+  // Largest anonymous RSS seen: after any program ran, and by the watch thread (platform.h's
+  // start_anon_watch) inside them.
+  uint64_t peak_anon() const { return std::max(peak_anon_, anon_watch_peak()); }
   // Records RssAnon and Private_Dirty now, as `at` (e.g. "after load"); each program's first
   // run is recorded on its own, before and after. take_memory_events() returns the records
   // since the last call as a JSON array ("[]" when none) and clears them.
