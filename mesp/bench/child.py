@@ -57,7 +57,7 @@ from mesp.ops import matmul as matmul_ops
 def _floor(c: ChildConfig, cfg: Any, quant: Any, dtype: torch.dtype) -> tuple[Any, str | None]:
     """The analytic memory floor, when mesp.memory.model exists in this build."""
     if cfg is None:
-        return None, "no floor for the PEFT model"
+        return None, "no floor for the PEFT model or a real model's mixed stored codes"
     try:
         from mesp.memory.model import analytic_floor
     except ImportError:

@@ -35,6 +35,9 @@ PAPER_MB = 136.2  # MeSP on an iPhone 17 Pro, bf16 LoRA, seq 256 (arXiv 2602.130
 @dataclass
 class OndeviceConfig:
     shape: str = "qwen2.5-0.5b"
+    # a real model (named, e.g. qwen2.5-coder-0.5b, or a .gguf path) instead of random weights
+    # at `shape`: its codes as stored (bits / group_size unused), rows of real Python source
+    model: str | None = None
     seq: int = 256
     batch: int = 1
     rank: int = 8
@@ -47,8 +50,13 @@ class OndeviceConfig:
 
     @property
     def export_name(self) -> str:
-        """The export's (and its work directory's) name: the shape, its weight blocks if any."""
-        return self.shape + (f"-wb{self.weight_block_kb}" if self.weight_block_kb else "")
+        """The export's (and its work directory's) name: the shape or model, its seq / rank
+        where not the paper's 256 / 8, its weight blocks if any."""
+        name = Path(self.model).name.removesuffix(".gguf") if self.model else self.shape
+        name += (f"-s{self.seq}" if self.seq != 256 else "") + (
+            f"-r{self.rank}" if self.rank != 8 else ""
+        )
+        return name + (f"-wb{self.weight_block_kb}" if self.weight_block_kb else "")
 
     @property
     def name(self) -> str:
@@ -59,8 +67,11 @@ class OndeviceConfig:
 def export_programs(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
     """Export (minutes: lowering is single-threaded Python), or reuse the export of a previous
     run made by the same command (recorded beside it). -> seconds taken, None when reused."""
-    argv = ["-m", "mesp.cli", "export", "--model", f"random:{c.shape}"]
-    argv += ["--quantize", str(c.bits), "--group-size", str(c.group_size), "--dtype", "float32"]
+    if c.model:  # its codes as stored
+        argv = ["-m", "mesp.cli", "export", "--model", c.model, "--dtype", "float32"]
+    else:
+        argv = ["-m", "mesp.cli", "export", "--model", f"random:{c.shape}", "--dtype", "float32"]
+        argv += ["--quantize", str(c.bits), "--group-size", str(c.group_size)]
     argv += ["--rank", str(c.rank), "--seq-len", str(c.seq), "--batch-size", str(c.batch)]
     argv += ["--target", "executorch", "--out", str(art)]
     if c.weight_block_kb:
@@ -94,11 +105,37 @@ def _program_code() -> str:
 
 
 def rows_file(c: OndeviceConfig, vocab: int, path: Path) -> Path:
-    g = torch.Generator().manual_seed(1)
     n = c.steps * c.batch
-    ids = torch.randint(0, vocab, (n, c.seq + 1), generator=g).tolist()
+    if c.model:
+        ids = source_rows(c.model, n, c.seq + 1)
+    else:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, vocab, (n, c.seq + 1), generator=g).tolist()
     path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in ids))
     return path
+
+
+def source_rows(model: str, n: int, length: int) -> list[list[int]]:
+    """n rows of `length` tokens of real Python source: the standard library's `email` package,
+    file by file in name order, through the model's own tokenizer."""
+    import email
+
+    from mesp.loading.gguf import GGUFFile
+    from mesp.loading.zoo import resolve
+
+    path = Path(resolve(model) or model)
+    if path.suffix != ".gguf":
+        raise MespError(f"--models {model}: bench ondevice takes a GGUF model (its tokenizer)")
+    with GGUFFile(path) as g:
+        tok = g.tokenizer
+    ids: list[int] = []
+    for f in sorted(Path(email.__file__).parent.rglob("*.py")):
+        ids += tok.encode(f.read_text())
+        if len(ids) >= n * length:
+            break
+    if len(ids) < n * length:
+        raise MespError(f"{n} rows of {length} tokens are more than the email package holds")
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
 
 
 def native_argv(c: OndeviceConfig, art: Path, data: Path, out: Path, log: Path) -> list[str]:
@@ -146,6 +183,7 @@ def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
     cc = ChildConfig(
         variant="mesp",
         engine="mesp",
+        model=c.model,
         shape=c.shape,
         seq=c.seq,
         batch=c.batch,
@@ -248,7 +286,8 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         polled = n.get("polled_peak_anon_bytes")
         big = max(n["planned_bytes"].items(), key=lambda kv: kv[1])
         lines.append(
-            f"| {label(c)} | {c['seq']} | {c['bits']} | {n['median_s']:.2f} | "
+            f"| {label(c)} | {c['seq']} | {'stored' if c.get('model') else c['bits']} | "
+            f"{n['median_s']:.2f} | "
             f"{e['median_s']:.2f} | {n['median_s'] / e['median_s']:.2f} | "
             f"{n['peak_anon_bytes'] / 1e6:.1f} | "
             f"{honest(n) if polled else 'not polled'} | "
@@ -278,7 +317,9 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
 
 def label(c: dict[str, Any]) -> str:
     kb = c.get("weight_block_kb", 0)
-    shape = c["shape"] + (f" ({kb} KiB weight blocks)" if kb else "")
+    what = f"{c['model']} (real)" if c.get("model") else c["shape"]
+    shape = what + (f" rank {c['rank']}" if c.get("rank", 8) != 8 else "")
+    shape += f" ({kb} KiB weight blocks)" if kb else ""
     return shape + (" (block inputs on disk)" if c.get("checkpoints_on_disk") else "")
 
 

@@ -65,6 +65,9 @@ class ChildConfig:
     max_memory: str | None = None
     part: str = "memory"  # memory (exact peak + RSS) | time (GEMM probe + timed steps)
     rss_steps: int = 1  # memory part: untracked steps whose RSS rise is measured (max taken)
+    # a real model (a path or a named one, e.g. qwen2.5-coder-0.5b) instead of `shape`'s random
+    # weights: its quantized codes as stored (bits / group_size unused), mesp engines only
+    model: str | None = None
 
 
 def shape_dict(name: str) -> dict[str, Any]:
@@ -90,9 +93,16 @@ def mesp_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step, 
     from mesp.quant import QuantSpec
     from mesp.training.schedule import make_optimizer
 
-    cfg = ModelConfig.from_hf(shape_dict(c.shape), source=c.shape)
-    quant = QuantSpec(c.bits, c.group_size) if c.bits else None
-    model = random_model(cfg, quant, dtype, seed=c.seed, device=c.device)
+    if c.model:
+        from mesp.loading.session import ModelOptions, open_model
+
+        name = str(dtype).removeprefix("torch.")
+        model = open_model(ModelOptions(model=c.model, dtype=name)).model
+        cfg, quant = model.config, None
+    else:
+        cfg = ModelConfig.from_hf(shape_dict(c.shape), source=c.shape)
+        quant = QuantSpec(c.bits, c.group_size) if c.bits else None
+        model = random_model(cfg, quant, dtype, seed=c.seed, device=c.device)
     apply_lora(model, LoraConfig(rank=c.rank), seed=c.seed)
     model.to(c.device)  # the adapter too, on a meta model
     opts = _engine_opts(c)
@@ -111,7 +121,8 @@ def mesp_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step, 
         opt.step()
         return loss
 
-    return step, list(model.buffers()), params, (opt, cfg, quant)
+    # a real model's codes mix types: no analytic floor for it (cfg None)
+    return step, list(model.buffers()), params, (opt, None if c.model else cfg, quant)
 
 
 def planned_tapes(c: ChildConfig, cfg: Any, quant: Any, dtype: torch.dtype) -> int:
@@ -175,13 +186,18 @@ def peft_setup(c: ChildConfig, dtype: torch.dtype, batch: Batch) -> tuple[Step, 
 def model_config(c: ChildConfig) -> Any:
     from mesp.config import ModelConfig
 
+    if c.model:
+        from mesp.loading.info import config_of
+        from mesp.loading.session import ModelOptions
+
+        return config_of(ModelOptions(model=c.model))
     return ModelConfig.from_hf(shape_dict(c.shape), source=c.shape)
 
 
 def random_batch(c: ChildConfig) -> Batch:
     """The configuration's one random sequence per row (seed + 1), its last `loss_fraction`
     of positions trained: what every timed or profiled step of `c` trains on."""
-    vocab = shape_dict(c.shape)["vocab_size"]
+    vocab = model_config(c).vocab_size if c.model else shape_dict(c.shape)["vocab_size"]
     g = torch.Generator().manual_seed(c.seed + 1)
     ids = torch.randint(0, vocab, (c.batch, c.seq + 1), generator=g)
     mask = torch.ones(c.batch, c.seq, dtype=torch.bool)

@@ -95,8 +95,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--models",
         type=_words,
-        default=("smollm2", "gemma3-270m"),
-        help="softmax, decode: real models (named models or paths)",
+        default=None,
+        help="real models (named models or paths): softmax (default smollm2,gemma3-270m), "
+        "decode (default smollm2), ondevice (GGUF files, e.g. qwen2.5-coder-0.5b)",
     )
     p.add_argument("--decode-tokens", type=int, default=64, help="decode: new tokens per run")
     p.add_argument("--train-steps", type=int, default=30, help="softmax: steps per run")

@@ -4,6 +4,7 @@ each flags -> its options and the canonical command that reproduces it (for the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import shlex
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -59,20 +60,19 @@ def run_softmax(ns: argparse.Namespace) -> int:
     if ns.train_steps < 1 or ns.vocab_subset < 1:
         raise MespError("--train-steps and --vocab-subset must be positive")
     seq = (ns.seq or (128,))[0]
+    models = tuple(ns.models or ("smollm2", "gemma3-270m"))
     base = SoftmaxConfig(
         model="", loss="ce", steps=ns.train_steps, seq=seq, vocab_subset=ns.vocab_subset
     )
     cmd = shlex.join(
         [
-            *("mesp", "bench", "softmax", "--models", ",".join(ns.models)),
+            *("mesp", "bench", "softmax", "--models", ",".join(models)),
             *("--train-steps", str(ns.train_steps), "--seq", str(seq)),
             *("--vocab-subset", str(ns.vocab_subset), "--out", str(ns.out)),
             *(["--markdown", str(ns.markdown)] if ns.markdown else []),
         ]
     )
-    return measure_then_report(
-        ns, lambda: run_softmax(tuple(ns.models), base, ns.out, ns.timeout, cmd), line
-    )
+    return measure_then_report(ns, lambda: run_softmax(models, base, ns.out, ns.timeout, cmd), line)
 
 
 def run_dequant(ns: argparse.Namespace) -> int:
@@ -199,15 +199,20 @@ def run_decode(ns: argparse.Namespace) -> int:
 
 def run_ondevice(ns: argparse.Namespace) -> int:
     """The native ExecuTorch runner against the in-process engine (mesp/bench/ondevice.py):
-    one row per --shapes entry, at the first --seq and --rank, --steps + 1 steps."""
+    one row per --shapes (random weights) and --models (real GGUF models) entry, for each --seq
+    and --rank given, --steps + 1 steps."""
     from mesp.bench.ondevice import OndeviceConfig, line, run_ondevice
 
     if ns.steps < 1:
         raise MespError("--steps must be >= 1")
-    shapes = ns.shapes or ("qwen2.5-0.5b",)
-    seq, rank = (ns.seq or (256,))[0], (ns.rank or (8,))[0]
-    parts = ["mesp", "bench", "ondevice", "--shapes", ",".join(shapes), "--seq", str(seq)]
-    parts += ["--rank", str(rank), "--steps", str(ns.steps), "--out", str(ns.out)]
+    models = tuple(ns.models or ())
+    shapes = ns.shapes or (() if models else ("qwen2.5-0.5b",))
+    seqs, ranks = ns.seq or (256,), ns.rank or (8,)
+    parts = ["mesp", "bench", "ondevice"]
+    parts += ["--shapes", ",".join(shapes)] if shapes else []
+    parts += ["--models", ",".join(models)] if models else []
+    parts += ["--seq", ",".join(map(str, seqs)), "--rank", ",".join(map(str, ranks))]
+    parts += ["--steps", str(ns.steps), "--out", str(ns.out)]
     if ns.memory_cap is not None and ns.memory_cap <= 0:
         raise MespError(f"--memory-cap must be a positive number of MB, got {ns.memory_cap:g}")
     capped = ns.memory_cap is not None or ns.find_cap
@@ -227,9 +232,10 @@ def run_ondevice(ns: argparse.Namespace) -> int:
         from mesp.bench.ondevice_cap import run_caps
 
         rows = []
-        for shape in shapes:
+        what = [(s, None) for s in shapes] + [("qwen2.5-0.5b", m) for m in models]
+        for (shape, model), seq, rank in itertools.product(what, seqs, ranks):
             c = OndeviceConfig(
-                shape=shape, seq=seq, rank=rank, steps=ns.steps + 1,
+                shape=shape, model=model, seq=seq, rank=rank, steps=ns.steps + 1,
                 weight_block_kb=ns.weight_block_kb, checkpoints_on_disk=ns.checkpoints_on_disk,
             )  # fmt: skip
             if capped:
