@@ -190,7 +190,7 @@ def test_split_needs_two_rows(tok: Tokenizer, tmp_path: Path) -> None:
 def test_txt_chunking_covers_every_token_once(tok: Tokenizer, tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text(" ".join(CORPUS * 3))
     (tmp_path / "b.txt").write_text("hello world\n" * 7)
-    (tmp_path / "ignored.md").write_text("not text")
+    (tmp_path / "ignored.csv").write_text("not text")  # .txt .md .py are text; not this
     docs = load_text_files([tmp_path / "a.txt", tmp_path / "b.txt"], tok)
     stream = docs[0].ids + docs[1].ids
     rows = chunk_examples(docs, seq_len=16)
@@ -410,7 +410,7 @@ def test_source_errors(tok: Tokenizer, tmp_path: Path) -> None:
     with pytest.raises(MespError, match="nope: no such file or directory"):
         load_splits(DataConfig(path=str(tmp_path / "nope")), tok)
     (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(MespError, match=r"data.csv: expected a .jsonl or .txt"):
+    with pytest.raises(MespError, match=r"data.csv: expected a .jsonl or text file"):
         load_splits(DataConfig(path=str(tmp_path / "data.csv")), tok)
     with pytest.raises(MespError, match="directory with train.jsonl"):
         load_splits(DataConfig(path=str(tmp_path)), tok)

@@ -1,5 +1,5 @@
-"""`mesp info | train | eval | generate | merge | export-adapter | grad | export | run-artifacts |
-plan | bench`: flags are dataclass fields."""
+"""`mesp info | train | eval | generate | tokenize | merge | export-adapter | grad | export |
+run-artifacts | plan | bench`: flags are dataclass fields."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def _parser() -> argparse.ArgumentParser:
     from mesp.convert.gguf_adapter import ExportAdapterOptions
     from mesp.convert.merge import MergeOptions
     from mesp.data import DataConfig
+    from mesp.data.tokenize import TokenizeOptions
     from mesp.engines.options import EngineOptions
     from mesp.inference.generate import GenerateOptions
     from mesp.lora import LoraConfig
@@ -65,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         (DataConfig, ("seed", "valid_fraction")),
     )
     command("generate", "sample text (KV cache)", ModelOptions, GenerateOptions)
+    command(
+        "tokenize",
+        "write data as pre-tokenized rows (jsonl) for `mesp run-artifacts` and the native runner",
+        ModelOptions,
+        TokenizeOptions,
+        (DataConfig, ("seed",)),
+    )
     command(
         "merge",
         "fold an adapter into its base and write a model directory (HF, or MLX if quantized) "

@@ -59,6 +59,17 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenize(ns: argparse.Namespace) -> int:
+    from mesp.data.tokenize import TokenizeOptions, write_rows
+
+    print(
+        write_rows(
+            from_args(ModelOptions, ns), from_args(TokenizeOptions, ns), from_args(DataConfig, ns)
+        )
+    )
+    return 0
+
+
 def cmd_merge(ns: argparse.Namespace) -> int:
     from mesp.convert.merge import MergeOptions, merge
 

@@ -22,8 +22,8 @@ class DataConfig:
         metadata={
             "flag": "--data",
             "help": (
-                "dir with train.jsonl [valid.jsonl test.jsonl], a .jsonl or .txt file, or a dir of "
-                ".txt files; unset = built-in Shakespeare"
+                "dir with train.jsonl [valid.jsonl test.jsonl], a .jsonl or text file (.txt .md "
+                ".py), or a dir of text files (subdirs too); unset = built-in Shakespeare"
             ),
         },
     )

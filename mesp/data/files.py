@@ -134,6 +134,17 @@ def load_jsonl(
     return out
 
 
+# Plain text and source code: each file one text example (a directory: its files of these
+# suffixes, subdirectories included, in path order).
+TEXT_SUFFIXES = (".txt", ".md", ".py")
+
+
+def text_files(p: Path) -> list[Path]:
+    if p.is_dir():
+        return sorted(f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file())
+    return [p] if p.suffix in TEXT_SUFFIXES else []
+
+
 def load_text_files(paths: Sequence[Path], tokenizer: Tokenizer) -> list[Example]:
     """Each plain-text file as one long text example (every token after the first trained)."""
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
@@ -275,10 +286,11 @@ def _load_path(
     if p.is_file() and p.suffix == ".jsonl":
         train, valid = split_off_valid(jsonl(p), cfg.valid_fraction, str(p))
         return finish({"train": train, "valid": valid})
-    txts = sorted(p.glob("*.txt")) if p.is_dir() else [p] if p.suffix == ".txt" else []
+    txts = text_files(p)
     if not txts:
         raise MespError(
-            f"{p}: expected a .jsonl or .txt file, or a directory with train.jsonl or .txt files"
+            f"{p}: expected a .jsonl or text file ({', '.join(TEXT_SUFFIXES)}), or a directory "
+            "with train.jsonl or text files"
         )
     _plain_text(f"{txts[0]}", cfg)
     text_tok = _need(tok, f"{txts[0]}")
