@@ -4,7 +4,7 @@ against the engine on every family: tests/test_ondevice_et.py and tests/test_nat
 One on-device format: `--target torch` (the .pt2 programs and their libtorch runner) is refused
 in one line; `--memory-report` prints the engine's measured step beside the .pte plan, whose
 arenas are the ones the native runner allocates; `import mesp.runner` (the Python driver) loads
-no model code and imports only torch, safetensors, executorch and its two light mesp modules.
+no model code and imports only torch, safetensors, executorch, gguf and its light mesp modules.
 """
 
 from __future__ import annotations
@@ -96,17 +96,23 @@ def test_the_driver_loads_no_model_code() -> None:
 
 
 def test_the_driver_imports_only_torch_safetensors_executorch_and_its_contract() -> None:
-    from mesp.ondevice import contract, kernels
+    from mesp.ondevice import adapter_gguf, contract, kernels
 
     seen: set[str] = set()
-    for mod in (runner, et_driver, contract, kernels):
+    for mod in (runner, et_driver, contract, kernels, adapter_gguf):
         tree = ast.parse(Path(mod.__file__).read_text())
         seen |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         seen |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     ours = {m for m in seen if m.split(".")[0] == "mesp"}
-    assert ours == {"mesp.ondevice.runner", "mesp.ondevice.contract", "mesp.ondevice.kernels"}
+    assert ours == {
+        "mesp.ondevice.runner",
+        "mesp.ondevice.contract",
+        "mesp.ondevice.kernels",
+        "mesp.ondevice.adapter_gguf",
+    }
     third_party = {m.split(".")[0] for m in seen - ours} - set(sys.stdlib_module_names)
-    assert third_party == {"torch", "safetensors", "executorch"}, third_party
+    # gguf (gguf-py, llama.cpp's own writer): the adapter as llama.cpp's LoRA file
+    assert third_party == {"torch", "safetensors", "executorch", "gguf"}, third_party
 
 
 @pytest.mark.slow

@@ -174,3 +174,14 @@ def test_bad_gguf_merges_fail_in_one_line(tmp_path: Path, capsys: pytest.Capture
     tok.backend.save(str(base / "tokenizer.json"))
     _fails([*argv, str(tmp_path / "m.gguf")], capsys, "handle spaces", "convert_hf_to_gguf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_plain_byte_level_bpe_is_llama_cpps_gpt_2(tmp_path: Path) -> None:
+    """A tokenizer.json whose only pre-tokenizer is ByteLevel (tiny_dir's) splits as GPT-2: the
+    file names it "gpt-2", the name llama.cpp's converter writes and its loader knows (it
+    refused "gpt2": unknown pre-tokenizer type), and mesp reads it back to the same ids."""
+    base = _base(tmp_path, "qwen2")
+    out = _merge(base, tmp_path, "m.gguf")
+    assert read_metadata(out)["tokenizer.ggml.pre"][0] == "gpt-2"
+    ids = load_model(base).tokenizer.encode(TEXT)
+    assert load_model(out).tokenizer.encode(TEXT) == ids and len(ids) > 5

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import LlamaFileType as FT
 
 from mesp.atomic_io import atomic_write
+from mesp.config import ModelConfig
 from mesp.convert.gguf_model import ARCHS, PERMUTED, gguf_names, permute_rows
 from mesp.errors import MespError
 from mesp.loading.hub import adapter_dir
 from mesp.loading.session import ModelOptions, open_model
 from mesp.lora import check_output_dir, load_adapter
+from mesp.models.transformer import CausalLM
 
 ADAPTER_TYPES = {"f32": (QT.F32, FT.ALL_F32), "f16": (QT.F16, FT.MOSTLY_F16)}
 
@@ -41,6 +44,43 @@ class ExportAdapterOptions:
         default="f32",
         metadata={"help": "tensor type of lora_a / lora_b", "choices": tuple(ADAPTER_TYPES)},
     )
+
+
+def gguf_targets(cfg: ModelConfig, names: list[str]) -> list[tuple[str, str, int]]:
+    """Per adapted linear (module names, in the file's tensor order): its base GGUF tensor name
+    and the head count its B rows are permuted by (0: none). Shared with `mesp export`, which
+    records it so that the on-device drivers write the same file without model code."""
+    gnames = gguf_names(cfg, [f"{n}.weight" for n in names])
+    out = []
+    for name in names:
+        base, heads = gnames[f"{name}.weight"], 0
+        if cfg.family in PERMUTED and base.endswith("attn_q.weight"):
+            heads = cfg.num_attention_heads
+        elif cfg.family in PERMUTED and base.endswith("attn_k.weight"):
+            heads = cfg.num_key_value_heads
+        out.append((name, base, heads))
+    return out
+
+
+def adapter_section(model: CausalLM, alpha: float) -> dict[str, Any] | None:
+    """run_config.json's "gguf_adapter" (mesp.ondevice.contract.GGUF_ADAPTER): what a driver
+    needs to write the trained adapter as this file's llama.cpp LoRA GGUF; None for a family
+    with no llama.cpp form here (the drivers then write the PEFT directory alone)."""
+    cfg = model.config
+    if cfg.family not in ARCHS:
+        return None
+    try:
+        targets = gguf_targets(cfg, list(model.lora_modules()))
+    except MespError:  # a linear with no llama.cpp name
+        return None
+    tensors = []
+    for name, base, heads in targets:
+        layer, dot, module = name.removeprefix("model.layers.").partition(".")
+        if not (dot and layer.isdigit()):  # only block linears are trained on device
+            return None
+        tensors.append({"layer": int(layer), "module": module, "name": base, "permute": heads})
+    arch = gguf.MODEL_ARCH_NAMES[ARCHS[cfg.family]]
+    return {"architecture": arch, "alpha": alpha, "tensors": tensors}
 
 
 def export_adapter(opts: ModelOptions, e: ExportAdapterOptions) -> str:
@@ -64,17 +104,12 @@ def export_adapter(opts: ModelOptions, e: ExportAdapterOptions) -> str:
         )
     lcfg = load_adapter(loaded.model, adapter_dir(e.adapter))
     mods = loaded.model.lora_modules()
-    names = gguf_names(cfg, [f"{n}.weight" for n in mods])
     tensors = {}
-    for name, mod in mods.items():
-        base = names[f"{name}.weight"]
-        a = mod.lora_A.detach().float().cpu().numpy()
-        b = mod.lora_B.detach().float().cpu().numpy()
-        if cfg.family in PERMUTED and base.endswith("attn_q.weight"):
-            b = permute_rows(b, cfg.num_attention_heads)
-        elif cfg.family in PERMUTED and base.endswith("attn_k.weight"):
-            b = permute_rows(b, cfg.num_key_value_heads)
-        tensors[f"{base}.lora_a"], tensors[f"{base}.lora_b"] = a, b
+    for name, base, heads in gguf_targets(cfg, list(mods)):
+        a = mods[name].lora_A.detach().float().cpu().numpy()
+        b = mods[name].lora_B.detach().float().cpu().numpy()
+        tensors[f"{base}.lora_a"] = a
+        tensors[f"{base}.lora_b"] = permute_rows(b, heads) if heads else b
 
     def write(path: str) -> None:
         w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCHS[cfg.family]])

@@ -58,7 +58,7 @@ def _pre_name(pre: dict[str, Any] | None) -> str | None:
     if kinds[-1] != "ByteLevel" or last.get("add_prefix_space"):
         return None
     if kinds == ["ByteLevel"] and last.get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # convert_hf_to_gguf's name; llama.cpp refuses "gpt2" as a pre-tokenizer
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
         return "smollm" if last.get("use_regex", True) else None
     if kinds == ["Split", "ByteLevel"] and not last.get("use_regex", True):

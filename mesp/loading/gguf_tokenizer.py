@@ -40,7 +40,8 @@ _TEKKEN_SPLIT = (
 # "digits" = GPT-2's regex after isolating every digit, as SmolLM2's tokenizer.json does.
 PRE_SPLITS: dict[str, str | None] = {
     "default": None,
-    "gpt2": None,
+    "gpt-2": None,
+    "gpt2": None,  # what mesp wrote before it wrote llama.cpp's "gpt-2"
     "smollm": "digits",
     "starcoder": "digits",
     "refact": "digits",

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 FORMAT, VERSION = "mesp-artifacts", 1  # run_config.json's "format" and "version"
 ET_VERSION = 2  # its "executorch" section; 2: the loss as start / slice (/ tail) / finish
+# run_config.json's section for the adapter as llama.cpp's LoRA GGUF (the file `mesp
+# export-adapter` writes), null for a family with no such form: {"architecture", "alpha",
+# "tensors": [{"layer", "module" (PEFT's, e.g. self_attn.q_proj), "name" (the base GGUF tensor,
+# e.g. blk.0.attn_q.weight), "permute" (B's rows by llama's q/k permutation over this many
+# heads; 0: as they are)}]}, in the file's tensor order: "<name>.lora_a" (r, in), ".lora_b"
+# (out, r), F32. The drivers write it as ADAPTER_GGUF beside the PEFT files, named
+# (general.name) after the adapter directory.
+GGUF_ADAPTER, ADAPTER_GGUF = "gguf_adapter", "adapter.gguf"
 
 ADAMW_SCALARS = (
     "decay",
@@ -45,5 +53,6 @@ def adamw_scalars(lr: float, weight_decay: float, t: int) -> dict[str, float]:
 
 
 __all__ = [
-    "ADAMW_SCALARS", "BETAS", "EPS", "ET_VERSION", "FORMAT", "VERSION", "adamw_scalars", "fnv1a64"
+    "ADAMW_SCALARS", "ADAPTER_GGUF", "BETAS", "EPS", "ET_VERSION", "FORMAT", "GGUF_ADAPTER",
+    "VERSION", "adamw_scalars", "fnv1a64"
 ]  # fmt: skip

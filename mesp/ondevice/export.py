@@ -31,11 +31,12 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from mesp.convert.gguf_adapter import adapter_section
 from mesp.errors import MespError
 from mesp.lora import PEFT_PREFIX
 from mesp.models.transformer import CausalLM
 from mesp.ondevice.artifact_files import Writer, digest, table
-from mesp.ondevice.contract import FORMAT, VERSION
+from mesp.ondevice.contract import FORMAT, GGUF_ADAPTER, VERSION
 from mesp.ondevice.edge_programs import EdgeSpec
 from mesp.ondevice.export_et import edge_weights, export_executorch
 from mesp.ondevice.lower import require_executorch
@@ -84,7 +85,7 @@ class ExportOptions:
     aten_dequant: bool = field(
         default=False,
         metadata={
-            "help": "ExecuTorch: dequantize the 4/8-bit block matrices with ATen ops in the "
+            "help": "ExecuTorch: dequantize the packed block matrices with ATen ops in the "
             "graphs (any ExecuTorch runtime runs them) instead of mesp's kernel ops "
             "mesp::qlinear/qmatmul (which the native runner and mesp run-artifacts bring: "
             "a block of the matrix at a time, far less memory)"
@@ -237,6 +238,8 @@ def export_model(
             "dtype": str(next(iter(lora_init.values())).dtype).removeprefix("torch."),
             "init": "lora_init.safetensors",
         },
+        # the trained adapter as llama.cpp's LoRA GGUF, written by both drivers (None: no form)
+        GGUF_ADAPTER: adapter_section(model, scale * rank),
         "loss": {"vocab_chunk": es.vocab_chunk, "max_rows": B * S, "normalizer": "trained tokens"},
         "files": {rel: {"tensors": table(t), "sha256": digest(t)} for rel, t in files.items()},
         "blocks": block_rows,  # in model order: the forward walks them 0..L-1, backward L-1..0

@@ -28,7 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from mesp.ondevice.contract import FORMAT, VERSION
+from mesp.ondevice.adapter_gguf import adapter_gguf_writer
+from mesp.ondevice.contract import ADAPTER_GGUF, FORMAT, VERSION
 
 PEFT_PREFIX = "base_model.model."
 Tensors = dict[str, torch.Tensor]
@@ -234,10 +235,18 @@ def write_atomic(path: Path, write: Callable[[str], object]) -> None:
         os.close(dfd)
 
 
-def save_adapter(trainer: Any, out: Path) -> None:
-    """PEFT format: adapter_model.safetensors first, adapter_config.json last. `trainer`: its
-    `art` (the Artifacts) and `lora` (one dict of adapter tensors per block)."""
+def save_adapter(trainer: Any, out: Path) -> str:
+    """PEFT format: adapter_model.safetensors first, adapter_config.json last; between them
+    adapter.gguf, llama.cpp's form of it, where the export recorded one. `trainer`: its `art`
+    (the Artifacts) and `lora` (one dict of adapter tensors per block). Returns "" or the line
+    that says why there is no adapter.gguf."""
     conf = trainer.art.conf
+    try:
+        write_gguf, note = adapter_gguf_writer(conf, trainer.lora, out)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise RunnerError(
+            f"run_config.json: malformed gguf_adapter ({type(e).__name__}: {e})"
+        ) from None
     tensors = {
         f"{PEFT_PREFIX}model.layers.{i}.{k}.weight": p.detach().contiguous()
         for i, d in enumerate(trainer.lora)
@@ -261,11 +270,14 @@ def save_adapter(trainer: Any, out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "adapter_model.safetensors", lambda p: save_file(tensors, p))
+        if write_gguf is not None:
+            write_atomic(out / ADAPTER_GGUF, write_gguf)
         write_atomic(
             out / "adapter_config.json", lambda p: Path(p).write_text(json.dumps(peft, indent=2))
         )
     except OSError as e:
         raise RunnerError(f"{out}: could not save the adapter ({e.strerror or e})") from None
+    return note
 
 
 # ---- CLI ----
@@ -314,7 +326,9 @@ def run(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
 
     cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay, ns.checkpoints_dir)
     trainer, _ = train_fn(art, rows, cfg, log)
-    save_adapter(trainer, out)
+    note = save_adapter(trainer, out)
+    if note:
+        print(note, flush=True)
     print(
         f"saved {out} after {ns.steps} steps in {time.perf_counter() - t0:.1f}s; frozen weights "
         f"resident at most {art.peak_resident_bytes / 2**20:.1f} MiB",

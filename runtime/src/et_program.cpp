@@ -19,6 +19,7 @@
 #include <map>
 
 #include "error.h"
+#include "platform.h"
 
 struct pthreadpool;  // pthreadpool's opaque pool (C, global namespace)
 
@@ -254,6 +255,24 @@ void Programs::load(const Artifacts& art) {
       throw RunnerError(p->path + ": ExecuTorch cannot load its method: " + err(method.error()) +
                         last_log());
     p->method = std::make_unique<et::Method>(std::move(method.get()));
+  }
+}
+
+void Programs::warm_up() {
+  std::vector<std::string> order;
+  size_t most = 0;
+  for (const auto& [name, p] : impl_->programs) {
+    const bool backward = name.size() > 9 && name.compare(name.size() - 9, 9, ".backward") == 0;
+    order.insert(backward ? order.begin() : order.end(), name);
+    for (const IoSpec& in : p->spec->inputs)
+      most = std::max(most, static_cast<size_t>(numel(in.shape)) * dtype_size(in.dtype));
+  }
+  ZeroPages zeros(most);
+  for (const std::string& name : order) {
+    std::vector<TensorRef> inputs;
+    for (const IoSpec& in : impl_->programs.at(name)->spec->inputs)
+      inputs.push_back(TensorRef{in.dtype, in.shape, zeros.data()});
+    run(name, inputs);
   }
 }
 

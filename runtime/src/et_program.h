@@ -37,6 +37,16 @@ class Programs {
   // (views into the arenas: valid until the next run; copy what you keep).
   std::vector<TensorRef> run(const std::string& name, const std::vector<TensorRef>& inputs);
 
+  // Runs every program once on zero inputs (read from untouched zero pages: no memory), the
+  // block backwards first, then the rest in name order. XNNPACK's shared workspace grows to
+  // a delegate's need at that delegate's first call, and while it grows the old one (already
+  // touched) and the new one (zero-filled) are both resident: at 0.5B the backward's first
+  // call needed 25 MB over the forward's 20 MB, a 20 MB spike in the middle of the first
+  // training step. Called right after load(), before the trainer holds its adapter, the
+  // workspace takes the backward's size first and never grows in training. Outputs are
+  // discarded; the planned arenas are overwritten by the first real run.
+  void warm_up();
+
   uint64_t planned_bytes() const;  // the arenas, in total
 
   // --threads: resize ExecuTorch's shared thread pool (0 leaves the default).

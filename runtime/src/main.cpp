@@ -165,6 +165,7 @@ int run(int argc, char** argv) {
   Programs::set_threads(a.threads);
   Programs programs;
   programs.load(art);
+  programs.warm_up();  // XNNPACK's workspace at its largest before the adapter is loaded
   trainer.prepare(programs);
   trainer.note_memory("after load");
 
@@ -201,7 +202,8 @@ int run(int argc, char** argv) {
       std::fflush(log);
     }
   }
-  trainer.save(a.out);
+  const std::string note = trainer.save(a.out);  // "" or why there is no adapter.gguf
+  if (!note.empty()) std::printf("%s\n", note.c_str());
   const MemInfo m = mem_info();
   std::printf(
       "saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB, polled every %d "

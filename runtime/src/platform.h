@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace mesp {
 
@@ -54,6 +55,22 @@ class ScratchFile {
   int fd_ = -1;
 };
 
+// `n` bytes of zeros that cost no memory while they are only read: an anonymous mapping whose
+// pages all map the kernel's one zero page until written (calloc'd memory elsewhere). Move-only.
+class ZeroPages {
+ public:
+  explicit ZeroPages(size_t n);
+  ~ZeroPages();
+  ZeroPages(const ZeroPages&) = delete;
+  ZeroPages& operator=(const ZeroPages&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  bool mapped_ = false;
+};
+
 // Reads `n` bytes at `offset` (used to read a safetensors header without mapping the data).
 bool read_at(const std::string& path, uint64_t offset, size_t n, std::string& out,
              std::string& why);
@@ -68,6 +85,13 @@ bool make_dirs(const std::string& path, std::string& why);
 // Writes `bytes` to a temp file beside `path`, fsyncs it, renames it over `path`, fsyncs the
 // directory: a crash leaves the old file or the new one, never half of one.
 bool write_atomic(const std::string& path, const std::string& bytes, std::string& why);
+// The same for a file made of several pieces, written in order straight from where they lie
+// (no whole copy of the file in memory: the adapter's tensors are written from their buffers).
+struct ByteSpan {
+  const void* data = nullptr;
+  size_t size = 0;
+};
+bool write_atomic(const std::string& path, const std::vector<ByteSpan>& parts, std::string& why);
 
 // Memory of this process, in bytes: peak resident set (VmHWM) and current anonymous RSS;
 // private_dirty (pages this process wrote, file-backed ones included: what it cannot give
@@ -88,6 +112,8 @@ MemInfo mem_detail();
 // nothing. anon_watch_peak(): the largest value read so far (0 before the first read).
 void start_anon_watch(int period_us);
 uint64_t anon_watch_peak();
+// The largest value read since the previous call (0 if none): the peak inside one program.
+uint64_t anon_watch_take();
 
 // Ctrl-C / SIGTERM: print "mesp-runner: interrupted; no adapter written" and exit 130, as the
 // Python runner does (the adapter is only ever renamed into place whole).

@@ -13,8 +13,10 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <new>
 #include <thread>
 #include <utility>
 
@@ -218,6 +220,10 @@ bool make_dirs(const std::string& path, std::string& why) {
 }
 
 bool write_atomic(const std::string& path, const std::string& bytes, std::string& why) {
+  return write_atomic(path, std::vector<ByteSpan>{{bytes.data(), bytes.size()}}, why);
+}
+
+bool write_atomic(const std::string& path, const std::vector<ByteSpan>& parts, std::string& why) {
   std::string dir = parent_of(path);
   std::string base = path.substr(path.find_last_of('/') + 1);
   std::string tmp = dir + "/." + base + ".XXXXXX";
@@ -226,17 +232,20 @@ bool write_atomic(const std::string& path, const std::string& bytes, std::string
     why = std::strerror(errno);
     return false;
   }
-  size_t put = 0;
-  while (put < bytes.size()) {
-    ssize_t w = ::write(fd, bytes.data() + put, bytes.size() - put);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      why = w < 0 ? std::strerror(errno) : "short write";
+  // mkstemp makes the file 0600; give it the mode a plain open() would (as mesp's Python
+  // atomic_write does), so an adapter is readable by what reads it (a server, another user)
+  const mode_t mask = umask(0);
+  umask(mask);
+  fchmod(fd, 0666 & ~mask);
+  uint64_t offset = 0;
+  for (const ByteSpan& part : parts) {
+    auto* p = const_cast<uint8_t*>(static_cast<const uint8_t*>(part.data));  // only written out
+    if (!transfer_all(fd, offset, p, part.size, true, why)) {
       ::close(fd);
       unlink(tmp.c_str());
       return false;
     }
-    put += static_cast<size_t>(w);
+    offset += part.size;
   }
   if (fsync(fd) != 0 || ::close(fd) != 0) {
     why = std::strerror(errno);
@@ -279,8 +288,33 @@ MemInfo mem_detail() {
   return m;
 }
 
+ZeroPages::ZeroPages(size_t n) : size_(n > 0 ? n : 1) {
+  void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p != MAP_FAILED) {
+    data_ = p;
+    mapped_ = true;
+  } else {
+    data_ = std::calloc(size_, 1);
+    if (data_ == nullptr) throw std::bad_alloc();
+  }
+}
+
+ZeroPages::~ZeroPages() {
+  if (mapped_)
+    munmap(data_, size_);
+  else
+    std::free(data_);
+}
+
 namespace {
 std::atomic<uint64_t> g_anon_peak{0};
+std::atomic<uint64_t> g_anon_window{0};  // since the last anon_watch_take()
+
+void raise_to(std::atomic<uint64_t>& peak, uint64_t now) {
+  uint64_t seen = peak.load(std::memory_order_relaxed);
+  while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+  }
+}
 std::atomic<bool> g_anon_watching{false};
 
 // RssAnon from statm's second and third fields (resident, shared = RssFile + RssShmem), in
@@ -307,9 +341,8 @@ void start_anon_watch(int period_us) {
     const auto period = std::chrono::microseconds(period_us);
     for (;;) {
       const uint64_t now = statm_anon(fd, page);
-      uint64_t seen = g_anon_peak.load(std::memory_order_relaxed);
-      while (now > seen && !g_anon_peak.compare_exchange_weak(seen, now)) {
-      }
+      raise_to(g_anon_peak, now);
+      raise_to(g_anon_window, now);
       std::this_thread::sleep_for(period);
     }
   }).detach();
@@ -317,6 +350,10 @@ void start_anon_watch(int period_us) {
 
 uint64_t anon_watch_peak() {
   return g_anon_peak.load(std::memory_order_relaxed);
+}
+
+uint64_t anon_watch_take() {
+  return g_anon_window.exchange(0);
 }
 
 static void interrupted(int) {

@@ -110,8 +110,7 @@ const uint8_t* StFile::data(const std::string& name) const {
   return view_.data() + header_.data_start + it->second.begin;
 }
 
-std::string st_serialize(std::vector<StOut> tensors,
-                         const std::map<std::string, std::string>& metadata) {
+StParts st_layout(std::vector<StOut> tensors, const std::map<std::string, std::string>& metadata) {
   std::sort(tensors.begin(), tensors.end(),
             [](const StOut& a, const StOut& b) { return a.name < b.name; });
   std::string header = "{";
@@ -137,12 +136,25 @@ std::string st_serialize(std::vector<StOut> tensors,
   }
   header += "}";
   while ((8 + header.size()) % 8 != 0) header += ' ';  // data 8-byte aligned, as safetensors does
-  std::string out;
-  out.reserve(8 + header.size() + offset);
-  uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) out += static_cast<char>((n >> (8 * i)) & 0xFF);
-  out += header;
-  for (const StOut& t : tensors) out.append(reinterpret_cast<const char*>(t.data), t.nbytes);
+  StParts out;
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out.head += static_cast<char>((n >> (8 * i)) & 0xFF);
+  out.head += header;
+  out.tensors = std::move(tensors);
+  return out;
+}
+
+std::vector<ByteSpan> StParts::parts() const {
+  std::vector<ByteSpan> p = {{head.data(), head.size()}};
+  for (const StOut& t : tensors) p.push_back({t.data, t.nbytes});
+  return p;
+}
+
+std::string st_serialize(std::vector<StOut> tensors,
+                         const std::map<std::string, std::string>& metadata) {
+  const StParts f = st_layout(std::move(tensors), metadata);
+  std::string out = f.head;
+  for (const StOut& t : f.tensors) out.append(reinterpret_cast<const char*>(t.data), t.nbytes);
   return out;
 }
 

@@ -59,7 +59,17 @@ struct StOut {
   size_t nbytes;
 };
 
-// The bytes of a safetensors file holding `tensors` (sorted by name) and `metadata`.
+// A safetensors file holding `tensors` (sorted by name here) and `metadata`, as its pieces:
+// `head` (the 8-byte length and the JSON header) and the tensors' own bytes, in file order.
+// For write_atomic(path, parts): the file is written with no second copy of the tensors.
+struct StParts {
+  std::string head;
+  std::vector<StOut> tensors;
+  std::vector<ByteSpan> parts() const;  // head, then each tensor (valid while *this lives)
+};
+StParts st_layout(std::vector<StOut> tensors, const std::map<std::string, std::string>& metadata);
+
+// The same file's bytes in one string.
 std::string st_serialize(std::vector<StOut> tensors,
                          const std::map<std::string, std::string>& metadata);
 

@@ -188,20 +188,24 @@ std::vector<TensorRef> Trainer::run(const std::string& prog, int block,
                                     const std::map<std::string, TensorRef>& named) {
   const bool first = ran_.insert(prog).second;
   if (first) note_memory("before first " + prog);
+  if (first) anon_watch_take();  // from here: the peak inside this program's first run
   std::vector<TensorRef> outs = programs_->run(prog, bind(prog, block, named, true));
+  const uint64_t inside = first ? anon_watch_take() : 0;
   scratch_.clear();
   sample_memory();
-  if (first) note_memory("after first " + prog);
+  if (first) note_memory("after first " + prog, inside);
   return outs;
 }
 
-void Trainer::note_memory(const std::string& at) {
+void Trainer::note_memory(const std::string& at, uint64_t peak_inside) {
   const MemInfo m = mem_detail();
-  char buf[256];
+  char buf[320];
   std::snprintf(buf, sizeof buf,
-                "{\"at\": \"%s\", \"rss_anon_bytes\": %llu, \"private_dirty_bytes\": %llu}",
+                "{\"at\": \"%s\", \"rss_anon_bytes\": %llu, \"private_dirty_bytes\": %llu, "
+                "\"peak_inside_bytes\": %llu}",
                 at.c_str(), static_cast<unsigned long long>(m.rss_anon),
-                static_cast<unsigned long long>(m.private_dirty));
+                static_cast<unsigned long long>(m.private_dirty),
+                static_cast<unsigned long long>(peak_inside));
   memory_events_.emplace_back(buf);
 }
 

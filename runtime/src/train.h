@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -17,6 +18,7 @@
 #include "data.h"
 #include "checkpoints.h"
 #include "et_program.h"
+#include "gguf_write.h"
 #include "safetensors.h"
 #include "tensor.h"
 
@@ -39,16 +41,20 @@ class Trainer {
   // One step on `batch`: the mean token loss, or nothing when no token is trained (then no
   // optimizer step). Throws RunnerError on a non-finite loss.
   std::optional<double> step(const Batch& batch, int64_t k);
-  // Writes OUT/adapter_model.safetensors then OUT/adapter_config.json.
-  void save(const std::string& out) const;
+  // Writes OUT/adapter_model.safetensors, OUT/adapter.gguf (llama.cpp's LoRA file) where the
+  // export recorded its form, then OUT/adapter_config.json. Returns "" or the one line that
+  // says why there is no adapter.gguf.
+  std::string save(const std::string& out) const;
 
   // Largest anonymous RSS seen: after any program ran, and by the watch thread (platform.h's
   // start_anon_watch) inside them.
   uint64_t peak_anon() const { return std::max(peak_anon_, anon_watch_peak()); }
   // Records RssAnon and Private_Dirty now, as `at` (e.g. "after load"); each program's first
-  // run is recorded on its own, before and after. take_memory_events() returns the records
-  // since the last call as a JSON array ("[]" when none) and clears them.
-  void note_memory(const std::string& at);
+  // run is recorded on its own, before and after, the "after" with the largest RssAnon the
+  // watch thread read while it ran (peak_inside_bytes; 0 with no watch or a run shorter than
+  // its period). take_memory_events() returns the records since the last call as a JSON
+  // array ("[]" when none) and clears them.
+  void note_memory(const std::string& at, uint64_t peak_inside = 0);
   std::string take_memory_events();
 
  private:
@@ -63,6 +69,9 @@ class Trainer {
                              const std::map<std::string, TensorRef>& named);
   const TensorRef& output(const std::vector<TensorRef>& outs, const std::string& prog,
                           const std::string& name) const;
+  // adapter.gguf's writer (adapter.cpp), viewing the adapter's buffers: null with `note` set
+  // when the export recorded no form.
+  std::unique_ptr<GgufWriter> adapter_gguf(const std::string& out, std::string& note) const;
   // The optimizer: begin_update() takes the next step's scalars (t counts optimizer steps);
   // update_block(i) runs the update program on block i's adapter tensors with the gradients in
   // grads_ (optimizer.cpp). Called right after block i's backward: exact (block i's adapter is
