@@ -1,14 +1,15 @@
 """Affine group-wise weight quantization, bit-for-bit compatible with ``mlx.core.quantize``.
 
 A weight ``(out, in)`` becomes packed words ``wq`` ``(out, in * bits // 32)``, plus ``scales`` and
-``biases`` ``(out, in // group_size)`` with ``w ~= q * scale + bias``. Value ``j`` of a word sits in
-bits ``bits*j .. bits*j + bits - 1``. Words are kept as ``torch.int32`` (MLX's uint32 bit pattern);
-use :func:`to_uint32` / :func:`from_uint32` to save / load them as safetensors ``U32``.
+``biases`` ``(out, in // group_size)`` with ``w ~= q * scale + bias``. Each row of words is a
+little-endian bit stream, value ``j`` at bits ``bits*j .. bits*j + bits - 1`` (at 4 and 8 bits:
+value ``j`` of a word in its bits ``bits*j ..``; at 5 and 6 bits a value may straddle two words;
+see mesp/quant_pack.py). Words are kept as ``torch.int32`` (MLX's uint32 bit pattern); use
+:func:`to_uint32` / :func:`from_uint32` to save / load them as safetensors ``U32``.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -16,38 +17,50 @@ from torch import Tensor
 
 from mesp.errors import MespError
 from mesp.ops import native
+from mesp.quant_pack import (
+    pack,
+    packed_bytes,
+    tracing,
+    unpack_bytes_core_aten,
+    unpack_into,
+    unpack_values,
+)
 
 _EPS = 1e-7  # MLX's floor on the group scale
-_LITTLE_ENDIAN = sys.byteorder == "little"
 _CHUNK = 1 << 22  # weight elements quantized per block
 # Output bytes dequantized per row block: unpack, scale and shift each block while it is still
 # in cache, so the weight makes about one trip through memory instead of three or more, and the
 # unpack's int16 scratch stays small; a few blocks per weight keep per-op overhead low.
 DEQUANT_BLOCK = 4 << 20
+BITS = (4, 5, 6, 8)  # 5 and 6: GGUF's Q5_* and Q6_K codes as stored (loading/gguf_codes.py)
+
+
+def group_sizes(bits: int) -> tuple[int, ...]:
+    """The group sizes allowed at `bits`: 32, 64, 128, and 16 at 6 and 8 bits (llama.cpp's
+    Q6_K keeps a scale per 16 weights; 16 six-bit values are 3 whole words)."""
+    return (16, 32, 64, 128) if bits in (6, 8) else (32, 64, 128)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Bits per weight (4 or 8) and how many consecutive inputs share one scale and bias."""
+    """Bits per weight (4, 5, 6 or 8) and how many consecutive inputs share a scale and bias."""
 
     bits: int = 4
     group_size: int = 64
 
     def __post_init__(self) -> None:
-        if type(self.bits) is not int or self.bits not in (4, 8):
-            raise MespError(f"quantization bits must be 4 or 8, got {self.bits!r}")
-        # 16: llama.cpp's Q6_K keeps a scale per 16 weights (8-bit codes only, as there)
-        sizes = (16, 32, 64, 128) if self.bits == 8 else (32, 64, 128)
+        if type(self.bits) is not int or self.bits not in BITS:
+            raise MespError(f"quantization bits must be 4, 5, 6 or 8, got {self.bits!r}")
+        sizes = group_sizes(self.bits)
         if type(self.group_size) is not int or self.group_size not in sizes:
             raise MespError(
                 f"{self.bits}-bit quantization group size must be one of "
                 f"{', '.join(map(str, sizes))}, got {self.group_size!r}"
             )
 
-    @property
-    def per_word(self) -> int:
-        """Quantized values per 32-bit word."""
-        return 32 // self.bits
+    def words(self, in_features: int) -> int:
+        """Packed int32 words of a row of `in_features` values (a whole number of groups)."""
+        return in_features * self.bits // 32
 
 
 def quantize(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,7 +71,7 @@ def quantize(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]:
     if in_f % spec.group_size:
         raise MespError(f"in_features {in_f} is not a multiple of group size {spec.group_size}")
     groups, dev = (out_f, in_f // spec.group_size), w.device
-    wq = torch.empty(out_f, in_f // spec.per_word, dtype=torch.int32, device=dev)
+    wq = torch.empty(out_f, spec.words(in_f), dtype=torch.int32, device=dev)
     scales = torch.empty(groups, dtype=w.dtype, device=dev)
     biases = torch.empty(groups, dtype=w.dtype, device=dev)
     step = max(1, _CHUNK // in_f)  # row blocks bound the float32/int64 temporaries
@@ -70,7 +83,8 @@ def quantize(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _quantize_rows(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """MLX's affine quantizer (``mlx/backend/cpu/quantized.cpp``), computed in float32."""
+    """MLX's affine quantizer (``mlx/backend/cpu/quantized.cpp``), computed in float32: the same
+    formula at every width, with 2^bits − 1 steps."""
     rows, n_bins = w.shape[0], float(2**spec.bits - 1)
     g = w.reshape(rows, -1, spec.group_size).float()
     if not bool(torch.isfinite(g).all()):
@@ -85,47 +99,7 @@ def _quantize_rows(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]:
     scale = torch.where(nonzero, edge / q0, scale)
     bias = torch.where(nonzero, edge, torch.zeros_like(edge))
     q = torch.sub(g, bias.unsqueeze(-1)).div_(scale.unsqueeze(-1)).round_().clamp_(0, n_bins)
-    shifts = torch.arange(0, 32, spec.bits, dtype=torch.int64, device=w.device)
-    words = (q.to(torch.int64).view(rows, -1, spec.per_word) << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words, scale.to(w.dtype), bias.to(w.dtype)
-
-
-def _unpack_shift(wq: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
-    """Unpack words ``(rows, words)`` to a new ``(rows, words * 32 // bits)`` tensor of dtype."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=wq.device)
-    q = (wq.unsqueeze(-1) >> shifts).bitwise_and_(2**bits - 1)
-    return q.to(dtype).view(wq.shape[0], wq.shape[1] * 32 // bits)
-
-
-def _unpack(wq: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
-    """As :func:`_unpack_shift`, but on the byte view (several times faster on CPU)."""
-    out = torch.empty(wq.shape[0], wq.shape[1] * 32 // bits, dtype=dtype, device=wq.device)
-    return _unpack_into(wq, bits, out)
-
-
-def unpack_values(wq: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
-    """The quantized values q (rows, in) of packed words (rows, words), as dtype."""
-    return _unpack(wq, bits, dtype)
-
-
-def _unpack_into(wq: Tensor, bits: int, out: Tensor) -> Tensor:
-    """Unpack words (rows, words) into out (rows, words·32/bits) in one converting copy.
-    4-bit: each byte 0xHL becomes the int16 0x0H0L = b + 15·(b & 0xF0), whose two bytes in
-    memory are L, H: the values in order, as uint8, ready to convert (contiguous, vectorized
-    int16 ops on the packed bytes, where two strided nibble copies were not)."""
-    if not _LITTLE_ENDIAN:
-        return out.copy_(_unpack_shift(wq, bits, out.dtype))
-    b = wq.contiguous().view(torch.uint8)  # memory order = value order on little-endian hosts
-    if bits == 8:
-        return out.copy_(b)
-    if tracing():  # exported programs keep the uint8 ops they had (what lowering knows)
-        pairs = out.view(b.shape[0], b.shape[1], 2)
-        pairs[..., 0].copy_(b & 15)
-        pairs[..., 1].copy_(b >> 4)
-        return out
-    t = b.to(torch.int16)
-    return out.copy_(t.add_(t & 0xF0, alpha=15).view(torch.uint8))
+    return pack(q.view(rows, -1), spec.bits), scale.to(w.dtype), bias.to(w.dtype)
 
 
 def dequantize(
@@ -146,9 +120,9 @@ def _checked_shape(
         raise MespError(f"can only dequantize to a float dtype, got {dtype}")
     if wq.dtype != torch.int32 or wq.ndim != 2:
         raise MespError(f"packed weight must be 2-D int32, got {wq.dtype} {tuple(wq.shape)}")
-    rows, in_f = wq.shape[0], wq.shape[1] * spec.per_word
+    rows, (in_f, odd) = wq.shape[0], divmod(wq.shape[1] * 32, spec.bits)
     groups = (rows, in_f // spec.group_size)
-    if in_f % spec.group_size or scales.shape != groups or biases.shape != groups:
+    if odd or in_f % spec.group_size or scales.shape != groups or biases.shape != groups:
         raise MespError(
             f"quantized shapes disagree: wq {tuple(wq.shape)}, scales {tuple(scales.shape)}, "
             f"biases {tuple(biases.shape)} for {spec.bits}-bit group size {spec.group_size}"
@@ -182,22 +156,16 @@ def _dequantize_into(
     rows, in_f = out.shape
     s, b = scales.to(out.dtype).unsqueeze(-1), biases.to(out.dtype).unsqueeze(-1)
     if tracing():  # an exported graph: one block, and no loop over a (maybe dynamic) row count
-        _unpack_into(wq, spec.bits, out)
+        unpack_into(wq, spec.bits, out)
         out.view(rows, -1, spec.group_size).mul_(s).add_(b)
         return out
     step = max(1, DEQUANT_BLOCK // max(1, in_f * out.element_size()))
     for r in range(0, rows, step):
         o = out[r : r + step]
-        _unpack_into(wq[r : r + step], spec.bits, o)
+        unpack_into(wq[r : r + step], spec.bits, o)
         g = o.view(o.shape[0], -1, spec.group_size)
         g.mul_(s[r : r + step]).add_(b[r : r + step])
     return out
-
-
-def tracing() -> bool:
-    """Under torch.compile / torch.export (the on-device programs)."""
-    checks = (getattr(torch.compiler, f, None) for f in ("is_compiling", "is_exporting"))
-    return any(f is not None and f() for f in checks)
 
 
 def dequantize_rows(
@@ -266,37 +234,34 @@ def from_uint32(words: Tensor) -> Tensor:
     return words.view(torch.int32)
 
 
-def packed_bytes(wq: Tensor) -> Tensor:
-    """The packed words as bytes ``(rows, in * bits // 8)`` uint8: the same memory, and on a
-    little-endian host byte k holds values 2k (low nibble) and 2k + 1 (high nibble) for 4 bits,
-    value k for 8 bits. The form edge programs read (their dialect has no dtype view)."""
-    if not _LITTLE_ENDIAN:
-        raise MespError("packed bytes for edge runtimes need a little-endian host")
-    return wq.contiguous().view(torch.uint8)
-
-
-def _unpack_bytes_float(wb: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
-    """As :func:`_unpack`, from :func:`packed_bytes`, in float ops only (edge runtimes: no ``>>``,
-    no dtype view, and float ops are what an accelerated backend such as XNNPACK takes). Every
-    step is exact in fp32/bf16/fp16: bytes 0..255 convert exactly, /16 is a power-of-two scaling,
-    floor and the subtraction stay on small integers."""
-    b = wb.to(dtype)
-    if bits == 8:
-        return b
-    hi = torch.floor(b * 0.0625)
-    lo = b - hi * 16
-    return torch.stack([lo, hi], -1).view(wb.shape[0], wb.shape[1] * 2)
-
-
 def dequantize_core_aten(
     wb: Tensor, scales: Tensor, biases: Tensor, spec: QuantSpec, dtype: torch.dtype | None = None
 ) -> Tensor:
-    """:func:`dequantize` of :func:`packed_bytes` in core ATen float ops, bit-identical to it: the
-    same unpacked values, then the same two roundings (w·scale, then + bias). Shapes are checked
-    by the exporter, which calls :func:`dequantize` on the same tensors first."""
+    """:func:`dequantize` of :func:`packed_bytes` in core ATen ops, bit-identical to it: the same
+    unpacked values (mesp/quant_pack.py), then the same two roundings (w·scale, then + bias).
+    Shapes are checked by the exporter, which calls :func:`dequantize` on the same tensors first."""
     dtype = scales.dtype if dtype is None else dtype
     rows, in_f = wb.shape[0], wb.shape[1] * 8 // spec.bits
-    w = _unpack_bytes_float(wb, spec.bits, dtype).view(rows, in_f // spec.group_size, -1)
+    w = unpack_bytes_core_aten(wb, spec.bits, dtype).view(rows, in_f // spec.group_size, -1)
     w = w * scales.to(dtype).unsqueeze(-1)
     w = w + biases.to(dtype).unsqueeze(-1)
     return w.view(rows, in_f)
+
+
+__all__ = [
+    "BITS",
+    "QuantSpec",
+    "dequantize",
+    "dequantize_core_aten",
+    "dequantize_gather",
+    "dequantize_into",
+    "dequantize_rows",
+    "from_uint32",
+    "group_sizes",
+    "packed_bytes",
+    "quantize",
+    "quantized_bytes",
+    "to_uint32",
+    "tracing",
+    "unpack_values",
+]

@@ -1,13 +1,15 @@
 """The blocked one-sweep dequantizer gives exactly the bits of the implementation it replaced
-(kept below as the reference): random words, 4 and 8 bits, groups 32/64/128, fp32/bf16/fp16,
-one block or many, whole weights, row slices, gathers and a reused output buffer."""
+(kept below as the reference; at 5 and 6 bits, which it never had, the layout spelled out with
+numpy's bit unpacking): random words, 4, 5, 6 and 8 bits, groups 32/64/128, fp32/bf16/fp16, one
+block or many, whole weights, row slices, gathers and a reused output buffer."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from mesp import quant
+from mesp import quant, quant_pack
 from mesp.errors import MespError
 from mesp.quant import (
     QuantSpec,
@@ -27,8 +29,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def reference_unpack(wq: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """quant._unpack before the one-sweep rewrite: two strided nibble copies."""
+    """quant._unpack before the one-sweep rewrite: two strided nibble copies. 5 and 6 bits:
+    each row's bytes as a little-endian bit array, value j its bits bits·j .. bits·j + bits − 1."""
     b = wq.contiguous().view(torch.uint8)
+    if bits in (5, 6):
+        one = np.unpackbits(b.numpy(), axis=-1, bitorder="little").reshape(b.shape[0], -1, bits)
+        return torch.from_numpy((one.astype(np.int64) << np.arange(bits)).sum(-1)).to(dtype)
     if bits == 8:
         return b.to(dtype)
     out = torch.empty(b.shape[0], b.shape[1], 2, dtype=dtype, device=wq.device)
@@ -40,7 +46,7 @@ def reference_unpack(wq: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.T
 def reference_dequantize(wq, scales, biases, spec, dtype=None):  # type: ignore[no-untyped-def]
     """quant.dequantize before the rewrite: unpack, then w·scale rounded, then + bias rounded."""
     dtype = scales.dtype if dtype is None else dtype
-    rows, in_f = wq.shape[0], wq.shape[1] * spec.per_word
+    rows, in_f = wq.shape[0], wq.shape[1] * 32 // spec.bits
     w = reference_unpack(wq, spec.bits, dtype).view(rows, in_f // spec.group_size, -1)
     w.mul_(scales.to(dtype).unsqueeze(-1)).add_(biases.to(dtype).unsqueeze(-1))
     return w.view(rows, in_f)
@@ -49,7 +55,7 @@ def reference_dequantize(wq, scales, biases, spec, dtype=None):  # type: ignore[
 def packed(rows: int, in_f: int, spec: QuantSpec, store: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
     """Random words (every bit pattern), scales and biases of mixed sign and magnitude."""
     g = torch.Generator().manual_seed(seed)
-    wq = torch.randint(-(2**31), 2**31, (rows, in_f // spec.per_word), generator=g)
+    wq = torch.randint(-(2**31), 2**31, (rows, spec.words(in_f)), generator=g)
     groups = (rows, in_f // spec.group_size)
     mag = torch.exp(torch.randn(groups, generator=g) * 3)  # e^-9 .. e^9: rounding everywhere
     scales = (torch.randn(groups, generator=g) * mag).to(store)
@@ -60,7 +66,7 @@ def packed(rows: int, in_f: int, spec: QuantSpec, store: torch.dtype, seed: int 
 @pytest.mark.parametrize("store", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_bit_identical_to_the_old_dequantize(
     bits: int, group: int, dtype: torch.dtype, store: torch.dtype, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
@@ -72,12 +78,12 @@ def test_bit_identical_to_the_old_dequantize(
     got = dequantize(wq, s, b, spec, dtype)
     assert same_bits(got, ref)
     assert same_bits(dequantize(wq, s, b, spec), reference_dequantize(wq, s, b, spec))
-    assert torch.equal(quant._unpack(wq, bits, dtype), reference_unpack(wq, bits, dtype))
-    assert torch.equal(quant._unpack_shift(wq, bits, dtype), reference_unpack(wq, bits, dtype))
+    assert torch.equal(quant_pack.unpack_values(wq, bits, dtype), reference_unpack(wq, bits, dtype))
+    assert torch.equal(quant_pack.unpack_shift(wq, bits, dtype), reference_unpack(wq, bits, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_rows_gather_and_a_reused_buffer(bits: int, dtype: torch.dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(quant, "DEQUANT_BLOCK", 4096)
     spec = QuantSpec(bits, 64)
@@ -111,7 +117,7 @@ def test_meta_device_keeps_shape_and_dtype() -> None:
     assert w.is_meta and w.shape == (8, 128) and w.dtype == torch.float32
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_an_exported_program_holds_one_block_of_the_same_ops(bits: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Under torch.export (the on-device programs) the blocks are not unrolled into the graph,
     the unpack keeps its uint8 ops, and the program computes the same bits."""

@@ -47,7 +47,7 @@ def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def _torch_path(wq, s, b, spec):  # type: ignore[no-untyped-def]
-    out = torch.empty(wq.shape[0], wq.shape[1] * spec.per_word)
+    out = torch.empty(wq.shape[0], wq.shape[1] * 32 // spec.bits)
     lib = native.library
     try:
         native.library = lambda: None  # type: ignore[assignment]
@@ -80,10 +80,22 @@ def test_bits_per_weight() -> None:
     assert stored_bits(QT.Q6_K) == 6.5625 and stored_bits(QT.Q8_0) == 8.5
 
 
-def test_group_16_is_8_bit_only() -> None:
-    assert QuantSpec(8, 16).group_size == 16
-    with pytest.raises(Exception, match="group size"):
-        QuantSpec(4, 16)
+def test_group_16_is_6_and_8_bit_only() -> None:
+    assert QuantSpec(8, 16).group_size == QuantSpec(6, 16).group_size == 16
+    for bits in (4, 5):
+        with pytest.raises(Exception, match="group size"):
+            QuantSpec(bits, 16)
+
+
+def test_each_type_keeps_its_width() -> None:
+    """5- and 6-bit codes take 5 and 6 bits in memory (not an 8-bit container): the words of a
+    row are exactly its codes' bits."""
+    widths = {qt: spec.bits for qt, (spec, _) in STORED.items()}
+    assert widths == {qt: file_bits for qt, (_, file_bits) in STORED.items()}
+    assert STORED[QT.Q5_K][0] == QuantSpec(5, 32) and STORED[QT.Q6_K][0] == QuantSpec(6, 16)
+    raw = random_blocks(QT.Q6_K, 3, 512)
+    wq, _, _ = to_mlx(QT.Q6_K, raw, (3, 512))
+    assert wq.shape == (3, 512 * 6 // 32)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

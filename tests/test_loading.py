@@ -85,11 +85,18 @@ def _write_mlx(root: Path, q: QuantSpec = Q, family: str = "qwen2", **over) -> d
 
 
 @pytest.mark.parametrize(
-    "q,family", [(Q, "qwen2"), (QuantSpec(8, 64), "llama"), (QuantSpec(4, 128), "llama")]
+    "q,family",
+    [
+        (Q, "qwen2"),
+        (QuantSpec(8, 64), "llama"),
+        (QuantSpec(4, 128), "llama"),
+        (QuantSpec(5, 32), "qwen2"),
+        (QuantSpec(6, 64), "llama"),
+    ],
 )
 def test_mlx_quantized_dir_loads_bit_exact(tmp_path: Path, q: QuantSpec, family: str) -> None:
     """Loaded without requantizing, an MLX directory equals our own quantization bit for bit
-    (4- and 8-bit; qwen2's tied embeddings, llama's untied quantized lm_head)."""
+    (4-, 5-, 6- and 8-bit; qwen2's tied embeddings, llama's untied quantized lm_head)."""
     w = _write_mlx(
         tmp_path, q, family, hidden_size=128, num_attention_heads=4, intermediate_size=256
     )
@@ -109,7 +116,7 @@ def test_mlx_quantized_dir_loads_bit_exact(tmp_path: Path, q: QuantSpec, family:
     [
         ("missing_biases", "is packed but model.layers.0.mlp.up_proj.biases is missing"),
         ("bits_string", "bits and group_size must be integers"),
-        ("bits_3", "quantization bits must be 4 or 8"),
+        ("bits_3", "quantization bits must be 4, 5, 6 or 8"),
         ("group_mismatch", "scales/biases have shapes .* at group size 64"),
     ],
 )

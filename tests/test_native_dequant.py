@@ -1,6 +1,6 @@
 """The native one-sweep dequantizer (mesp/ops/dequant.c) against mesp.quant's pure-torch path.
 
-Bit-identical for 4 and 8 bits, every group size, fp32 / bf16 scales and outputs, row blocks
+Bit-identical for 4, 5, 6 and 8 bits, every group size, fp32 / bf16 scales and outputs, row blocks
 and group ranges; the torch path is the reference (MLX's two roundings, tests/test_quant.py).
 Without a compiler the kernel is not built and the torch path serves, with one log line.
 """
@@ -16,14 +16,14 @@ import torch
 
 from mesp import quant
 from mesp.ops import native
-from mesp.quant import QuantSpec, dequantize, quantize
+from mesp.quant import BITS, QuantSpec, dequantize, group_sizes, quantize
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
 
 def _torch_path(wq, s, b, spec, dtype):
     """mesp.quant's pure-torch dequantizer, with the kernel out of the way."""
-    out = torch.empty(wq.shape[0], wq.shape[1] * spec.per_word, dtype=dtype)
+    out = torch.empty(wq.shape[0], wq.shape[1] * 32 // spec.bits, dtype=dtype)
     lib = native.library
     try:
         native.library = lambda: None  # type: ignore[assignment]
@@ -43,8 +43,7 @@ def test_kernel_is_built_where_a_compiler_is():
     assert native.library() is not None, "a C compiler is present, so the kernel must build"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(("bits", "group"), [(b, g) for b in BITS for g in group_sizes(b)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_bit_identical_to_torch_path(bits, group, scale_dtype, out_dtype):
@@ -74,13 +73,14 @@ def test_bf16_math_into_fp32_out_is_the_bf16_weight_widened():
     assert torch.equal(out, dequantize(wq, s, b, spec, torch.bfloat16).float())
 
 
-def test_group_range_into_a_strided_block():
-    spec = QuantSpec(4, 32)
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_group_range_into_a_strided_block(bits):
+    spec = QuantSpec(bits, 32)
     wq, s, b = _packed(12, 320, spec, torch.float32)
     full = dequantize(wq, s, b, spec)
     big = torch.full((12, 200), -1.0)
     block = big[:, 10:106]  # 3 groups of 32, rows 200 elements apart
-    assert native.dequantize_into(wq, s, b, 4, 32, block, groups=(4, 7))
+    assert native.dequantize_into(wq, s, b, bits, 32, block, groups=(4, 7))
     assert torch.equal(block, full[:, 128:224])
     assert bool((big[:, :10] == -1).all() and (big[:, 106:] == -1).all())
 

@@ -25,7 +25,7 @@ def _weights(out_f: int, in_f: int, bits: int, edge: bool) -> tuple[dict, Weight
 
 
 @pytest.mark.parametrize("edge", [False, True], ids=["words", "bytes"])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("shape", [(96, 64), (40, 160)], ids=["rows", "columns"])
 def test_blocks_give_the_whole_weights_products(
     shape: tuple[int, int], bits: int, edge: bool

@@ -1,10 +1,12 @@
-"""mesp::qlinear / mesp::qmatmul: the ExecuTorch kernels of the block programs' 4/8-bit products
+"""mesp::qlinear / mesp::qmatmul: the ExecuTorch kernels of the block programs' 4/5/6/8-bit products
 (mesp/ondevice/qmatmul.cpp, built and loaded by mesp.ondevice.kernels), against references.
 
 - Dequantization is exact: one-hot inputs pick columns (x Wᵀ) or rows (dy W) of W, which must
   equal mesp.quant.dequantize's values to the bit, across several blocks of the kernel's cut.
 - The products match float64 within a GEMM tolerance, with batch dims and a single row.
 - The lowered program plans no fp32 copy of W (the point of the ops).
+- Beside them, the embedding's lookup, which dequantizes in the graph (core ATen), is exact on
+  the runtime at every width.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mesp.ondevice.kernels import load_kernels
 from mesp.ondevice.lower import Lowered, lower
 from mesp.ondevice.steps import Flat, Named
 from mesp.ops.qmatmul import PackedKernel
-from mesp.quant import QuantSpec, dequantize, packed_bytes, quantize
+from mesp.quant import QuantSpec, dequantize, dequantize_core_aten, packed_bytes, quantize
 from tests.tolerances import gemm_tol
 
 pytest.importorskip("executorch")
@@ -50,19 +52,20 @@ def _products(d: Named, spec: QuantSpec) -> Named:
     return {"y": torch.cat([w.linear(d["a0"]).flatten(), w.matmul(d["a1"]).flatten()])}
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (5, 32), (6, 16)])
 def test_one_hot_products_give_the_dequantized_matrix_exactly(bits: int, group: int) -> None:
-    # N = 4100 rows of K = 128: 3 row blocks for x Wᵀ (2048 rows per MiB) and 4 column blocks
-    # (32 columns each) for dy W, so every block boundary is crossed
+    # N = 4100 rows of K = 128: 3 row blocks for x Wᵀ (2048 rows per MiB) and column blocks for
+    # dy W of whole groups (32 columns at groups of 32 and 64, 48 at 16), so every block boundary
+    # is crossed; at 5 and 6 bits columns 1, 31, 63 straddle bytes (and 63 a word at 5 bits)
     n, k, spec = 4100, 128, QuantSpec(bits, group)
     w, dense = _packed(n, k, spec, bits)
-    cols = torch.tensor([0, 1, 31, 32, 63, 64, 127])
+    cols = torch.tensor([0, 1, 31, 32, 47, 48, 63, 64, 95, 96, 127])
     rows = torch.tensor([0, 1, 2047, 2048, 4095, 4096, 4099])
-    x = torch.nn.functional.one_hot(cols, k).float()  # (7, K): picks W[:, cols]
+    x = torch.nn.functional.one_hot(cols, k).float()  # (11, K): picks W[:, cols]
     dy = torch.nn.functional.one_hot(rows, n).float()  # (7, N): picks W[rows, :]
     args = [x, dy, w.wq, w.scales, w.biases]
     (out,), low = _run(lambda d: _products(d, spec), args)
-    y, dx = out[: 7 * n].view(7, n), out[7 * n :].view(7, k)
+    y, dx = out[: len(cols) * n].view(-1, n), out[len(cols) * n :].view(7, k)
     assert torch.equal(y, dense[:, cols].t())
     assert torch.equal(dx, dense[rows])
     assert max(low.planned) < n * k * 4  # no fp32 W in the arena
@@ -81,3 +84,21 @@ def test_products_match_float64_with_batch_dims_and_one_row() -> None:
         y, dx = out[: m * n], out[m * n :]
         torch.testing.assert_close(y.double(), ref_y, **_tol(k))
         torch.testing.assert_close(dx.double(), ref_dx, **_tol(n))
+
+
+@pytest.mark.parametrize(("bits", "group"), [(5, 32), (6, 16), (4, 32), (8, 16)])
+def test_embedding_rows_unpack_exactly_on_the_runtime(bits: int, group: int) -> None:
+    """The embedding program's lookup (edge_programs.embed: rows of the packed bytes, then
+    dequantize_core_aten) on the runtime gives dequantize's bits at every width: 5 and 6 bits
+    (GGUF's Q5 / Q6_K codes as stored) in integer ops without a shift, values straddling bytes."""
+    spec = QuantSpec(bits, group)
+    g = torch.Generator().manual_seed(bits)
+    wq, sc, bi = quantize(torch.randn(40, 96, generator=g), spec)
+    ids = torch.tensor([0, 7, 39, 7, 21])
+
+    def fn(d: Named) -> Named:
+        sel = [d[k].index_select(0, d["a3"]) for k in ("a0", "a1", "a2")]
+        return {"y": dequantize_core_aten(sel[0], sel[1], sel[2], spec, None)}
+
+    (y,), _ = _run(fn, [packed_bytes(wq), sc, bi, ids])
+    assert torch.equal(y, dequantize(wq, sc, bi, spec)[ids])

@@ -6,20 +6,32 @@ import numpy as np
 import pytest
 import torch
 
-from mesp import quant
+from mesp import quant, quant_pack
 from mesp.errors import MespError
 from mesp.quant import (
     QuantSpec,
     dequantize,
+    dequantize_core_aten,
     dequantize_gather,
     dequantize_rows,
     from_uint32,
+    packed_bytes,
     quantize,
     quantized_bytes,
     to_uint32,
 )
 
-SPECS = [QuantSpec(b, g) for b in (4, 8) for g in (32, 64, 128)]
+SPECS = [QuantSpec(b, g) for b in (4, 5, 6, 8) for g in (32, 64, 128)]
+MLX_SPECS = list(SPECS)  # MLX's own group sizes; 16 is GGUF's Q6_K's, mesp's alone
+SPECS += [QuantSpec(6, 16), QuantSpec(8, 16)]
+
+
+def stream_values(wq: torch.Tensor, bits: int) -> torch.Tensor:
+    """The layout spelled out, independently of mesp.quant_pack: each row's bytes as one
+    little-endian bit array (numpy), value j = its bits bits·j .. bits·j + bits − 1."""
+    raw = to_uint32(wq).numpy().astype("<u4").view(np.uint8).reshape(wq.shape[0], -1)
+    b = np.unpackbits(raw, axis=-1, bitorder="little").reshape(wq.shape[0], -1, bits)
+    return torch.from_numpy((b.astype(np.int64) << np.arange(bits)).sum(-1))
 
 
 def _weight(out_f: int, in_f: int, gs: int, seed: int = 0) -> torch.Tensor:
@@ -50,7 +62,8 @@ def test_round_trip_error(spec: QuantSpec, dtype: torch.dtype) -> None:
     w_max = w.float().view(72, -1, gs).abs().amax(-1, keepdim=True)
     # Rounding slack: scale, bias (stored in dtype) and the result each round once.
     tiny = torch.finfo(dtype).eps * (b32 + n_bins * s32 + w_max) + 1e-12
-    q = quant._unpack(wq, spec.bits, torch.float32).view(72, -1, gs)
+    q = quant_pack.unpack_values(wq, spec.bits, torch.float32).view(72, -1, gs)
+    assert torch.equal(q.view(72, -1).long(), stream_values(wq, spec.bits))
     # Unclamped values round to nearest; MLX fits the scale to the larger-magnitude end, so the
     # other end may land one step past n_bins and is clamped: at most one scale away.
     assert bool((err[q < n_bins] <= (s32 / 2 + tiny).expand_as(err)[q < n_bins]).all())
@@ -76,17 +89,50 @@ def test_packing_layout_hand_made() -> None:
     assert d[0].tolist() == list(range(8)) + [15, 0] * 4 + [1] + [0] * 15
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+def test_five_and_six_bit_layout_hand_made() -> None:
+    """5 bits: 8 values fill 5 bytes, value 1 straddles bytes 0 and 1; 6 bits: 4 values fill 3
+    bytes; a value straddles a word boundary too (5 bits: value 6 of a row at bits 30..34)."""
+    q5 = torch.tensor([[31, 1, 0, 0, 0, 0, 0b10111, 0] + [0] * 24])
+    wq5 = quant_pack.pack(q5, 5)
+    assert wq5.shape == (1, 5)
+    # bits 0-4: 31; bits 5-9: 1 (bit 5); bits 30-34: 0b10111 -> bits 30, 31 of word 0, 32, 34
+    assert to_uint32(wq5)[0].tolist() == [0x1F | 1 << 5 | 0b11 << 30, 0b101, 0, 0, 0]
+    q6 = torch.tensor([[63, 2, 0, 33] + [0] * 12])
+    wq6 = quant_pack.pack(q6, 6)
+    assert to_uint32(wq6)[0].tolist() == [63 | 2 << 6 | 33 << 18, 0, 0]
+    for wq, q, bits in ((wq5, q5, 5), (wq6, q6, 6)):
+        assert torch.equal(stream_values(wq, bits), q)
+        assert torch.equal(quant_pack.unpack_values(wq, bits, torch.int64), q)
+    spec = QuantSpec(6, 16)
+    d = dequantize(wq6, torch.full((1, 1), 0.5), torch.full((1, 1), -1.0), spec)
+    assert d[0, :4].tolist() == [30.5, 0.0, -1.0, 15.5]
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_byte_unpack_equals_shift_unpack(bits: int) -> None:
-    words = torch.randint(-(2**31), 2**31 - 1, (5, 12), dtype=torch.int32)
-    ref = quant._unpack_shift(words, bits, torch.float32)
-    assert ref.shape == (5, 12 * 32 // bits) and int(ref.max()) <= 2**bits - 1
-    assert torch.equal(quant._unpack(words, bits, torch.float32), ref)
-    per = 32 // bits  # a non-contiguous column slice of words
-    assert torch.equal(quant._unpack(words[:, 4:8], bits, torch.float32), ref[:, 4 * per : 8 * per])
+    words = torch.randint(-(2**31), 2**31 - 1, (5, 30), dtype=torch.int32)
+    ref = quant_pack.unpack_shift(words, bits, torch.float32)
+    assert ref.shape == (5, 30 * 32 // bits) and int(ref.max()) <= 2**bits - 1
+    assert torch.equal(ref.long(), stream_values(words, bits))
+    assert torch.equal(quant_pack.unpack_values(words, bits, torch.float32), ref)
+    edge = quant_pack.unpack_bytes_core_aten(packed_bytes(words), bits, torch.bfloat16)
+    assert torch.equal(edge.float(), ref)
+    assert torch.equal(quant_pack.pack(ref.long(), bits), words)  # pack is its inverse
+    # a non-contiguous column slice: words bits, 3·bits hold values 32 .. 96 at every width
+    got = quant_pack.unpack_values(words[:, bits : 3 * bits], bits, torch.float32)
+    assert torch.equal(got, ref[:, 32:96])
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_core_aten_dequantize_is_the_same_bits(spec: QuantSpec) -> None:
+    w = _weight(24, 256, spec.group_size, seed=spec.bits)
+    for dtype in (torch.float32, torch.bfloat16):
+        wq, s, b = quantize(w.to(dtype), spec)
+        want = dequantize(wq, s, b, spec)
+        assert torch.equal(dequantize_core_aten(packed_bytes(wq), s, b, spec), want)
+
+
+@pytest.mark.parametrize("spec", MLX_SPECS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_mlx_bit_for_bit(spec: QuantSpec, dtype: torch.dtype) -> None:
     mx = pytest.importorskip("mlx.core")
@@ -145,12 +191,22 @@ def test_quantized_bytes() -> None:
         896 * 4864 // 2 + 2 * 896 * 76 * 2
     )
     assert quantized_bytes(128, 896, QuantSpec(8, 128), torch.float32) == 128 * 896 + 7168
+    assert quantized_bytes(896, 4864, QuantSpec(5, 32), torch.float32) == (
+        896 * 4864 * 5 // 8 + 2 * 896 * 152 * 4
+    )
+    assert quantized_bytes(2, 256, QuantSpec(6, 16), torch.float32) == 2 * 192 + 2 * 2 * 16 * 4
+    for spec in (QuantSpec(5, 32), QuantSpec(6, 16)):
+        wq, s, b = quantize(torch.randn(16, 256), spec)
+        nbytes = sum(t.numel() * t.element_size() for t in (wq, s, b))
+        assert quantized_bytes(16, 256, spec, torch.float32) == nbytes
     wq, s, b = quantize(torch.randn(16, 128), QuantSpec(4, 32))
     nbytes = sum(t.numel() * t.element_size() for t in (wq, s, b))
     assert quantized_bytes(16, 128, QuantSpec(4, 32), torch.float32) == nbytes
 
 
-@pytest.mark.parametrize("bits, gs", [(3, 64), (16, 64), (4, 16), (4, 256), (4.0, 64)])
+@pytest.mark.parametrize(
+    "bits, gs", [(3, 64), (7, 32), (16, 64), (4, 16), (5, 16), (6, 8), (4, 256), (4.0, 64)]
+)
 def test_bad_spec(bits: int, gs: int) -> None:
     with pytest.raises(MespError):
         QuantSpec(bits, gs)

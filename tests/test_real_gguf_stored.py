@@ -75,3 +75,18 @@ def test_info_names_each_type(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "Q4_1  x210" in out and "-> MLX 4-bit g32" in out and " 6.00 bits in memory" in out
     assert "Q8_0  x1" in out and "-> MLX 8-bit g32" in out
+
+
+def test_info_keeps_five_and_six_bit_codes_at_their_width(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Gemma-3-270M Q4_K_M's Q5_0 and Q6_K codes are held as 5- and 6-bit words (they took 8
+    bits each before: 311 MB as stored, now 285.6 MB)."""
+    from mesp.cli import main
+
+    _gemma3()
+    assert main(["info", "--model", "gemma3-270m"]) == 0
+    out = capsys.readouterr().out
+    assert "Q5_0  x81" in out and "-> MLX 5-bit g32,  7.00 bits in memory" in out
+    assert "Q6_K  x9" in out and "-> MLX 6-bit g16, 10.00 bits in memory" in out
+    assert "285.6 MB of weight matrices as stored" in out

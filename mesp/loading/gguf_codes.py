@@ -1,8 +1,10 @@
 """llama.cpp's quantized blocks -> MLX's affine layout, codes kept as stored (no requantizing).
 
 Every type read here is an affine code per group: w = q·s + b, with q an unsigned integer of
-4, 5, 6 or 8 bits. 4-bit codes become MLX 4-bit words, 5-, 6- and 8-bit codes become MLX 8-bit
-words (MLX has no 5/6-bit layout here: those weights take 8 bits a code in memory).
+4, 5, 6 or 8 bits, and each is kept at its own width: MLX's 4-, 5-, 6- and 8-bit layouts, each
+row a little-endian bit stream with code j at bits bits·j .. (mesp/quant_pack.py). So a code
+takes in memory the bits it takes in the file; only the block's scales differ (an fp32 scale and
+bias per group here, where the file has an fp16 d or a few bits of sub-block scale).
 
 | type | block                              | q, s, b of the MLX form                 | group |
 |------|------------------------------------|-----------------------------------------|-------|
@@ -35,12 +37,12 @@ from mesp.quant import QuantSpec
 STORED: dict[QT, tuple[QuantSpec, int]] = {
     QT.Q4_0: (QuantSpec(4, 32), 4),
     QT.Q4_1: (QuantSpec(4, 32), 4),
-    QT.Q5_0: (QuantSpec(8, 32), 5),
-    QT.Q5_1: (QuantSpec(8, 32), 5),
+    QT.Q5_0: (QuantSpec(5, 32), 5),
+    QT.Q5_1: (QuantSpec(5, 32), 5),
     QT.Q8_0: (QuantSpec(8, 32), 8),
     QT.Q4_K: (QuantSpec(4, 32), 4),
-    QT.Q5_K: (QuantSpec(8, 32), 5),
-    QT.Q6_K: (QuantSpec(8, 16), 6),
+    QT.Q5_K: (QuantSpec(5, 32), 5),
+    QT.Q6_K: (QuantSpec(6, 16), 6),
 }
 
 
@@ -112,6 +114,25 @@ def _decode(qtype: QT, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     raise ValueError(f"no MLX form for {qtype.name}")
 
 
+def _stream(q: np.ndarray, bits: int) -> np.ndarray:
+    """Codes (rows, cols) uint8 -> the rows' little-endian bit streams (rows, cols·bits/8) uint8:
+    code j at bits bits·j .. of its row, so 8 codes fill `bits` bytes (4 bits: byte k holds
+    codes 2k (low nibble) and 2k + 1; 8 bits: byte k is code k)."""
+    if bits == 8:
+        return q
+    if bits == 4:
+        return q[:, 0::2] | (q[:, 1::2] << 4)
+    rows = q.shape[0]
+    v = q.reshape(rows, -1, 8)
+    out = np.zeros((rows, v.shape[1], bits), np.uint8)
+    for j in range(8):
+        i, s = divmod(bits * j, 8)
+        out[..., i] |= v[..., j] << s  # uint8: the bits past this byte drop off
+        if s + bits > 8:  # ... and land in the next one
+            out[..., i + 1] |= v[..., j] >> (8 - s)
+    return out.reshape(rows, -1)
+
+
 def to_mlx(qtype: QT, raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
     """A tensor's bytes (as stored, rows of `shape` = (out, in)) -> (words int32 (out, in·bits/32),
     scales float32 (out, in/group), biases float32 (out, in/group)) in MLX's layout."""
@@ -119,9 +140,7 @@ def to_mlx(qtype: QT, raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarr
     block, size = GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     q, s, b = _decode(qtype, raw.reshape(-1, size))
-    q = q.reshape(rows, cols)
-    if spec.bits == 4:  # byte k holds codes 2k (low nibble) and 2k + 1
-        q = q[:, 0::2] | (q[:, 1::2] << 4)
-    words = np.ascontiguousarray(q).view(np.int32)  # little-endian: byte order = code order
+    stream = np.ascontiguousarray(_stream(q.reshape(rows, cols), spec.bits))
+    words = stream.view("<i4").astype(np.int32, copy=False)  # 4 stream bytes, lowest first
     groups = cols // spec.group_size
     return words, s.reshape(rows, groups), b.reshape(rows, groups)

@@ -61,14 +61,16 @@ class Sizes:
 
     def deq(self, out: int, inp: int, then: int = 0) -> int:
         """Peak bytes of dequantizing an out×inp weight and then allocating `then` bytes beside
-        it: the weight plus the larger of the 4-bit unpack's scratch (two int16 planes of one
-        row block, see quant.DEQUANT_BLOCK; freed once unpacked; none where the native
+        it: the weight plus the larger of the unpack's scratch (4 bits: two int16 planes of one
+        row block, see quant.DEQUANT_BLOCK; 5 and 6 bits: two int32 planes of an eighth of it,
+        quant_pack._chunks_into; freed once unpacked; none at 8 bits, nor where the native
         kernel dequantizes in one sweep) and `then`. A dense base is used in place: `then`."""
         q = self.quant
         if q is None or inp % q.group_size:
             return then
         block_rows = min(out, max(1, DEQUANT_BLOCK // (inp * self.e)))
-        scratch = 2 * block_rows * inp if q.bits == 4 and self.torch_unpack else 0
+        per_value = {4: 2, 5: 1, 6: 1}.get(q.bits, 0) if self.torch_unpack else 0
+        scratch = per_value * block_rows * inp
         return out * inp * self.e + max(scratch, then)
 
     def proj(self, out: int, inp: int, then: int = 0) -> int:

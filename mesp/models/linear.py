@@ -75,7 +75,7 @@ class FrozenWeight(nn.Module):
             return
         if w.is_meta:  # a model for memory accounting only: the packed layout, no values
             out_f, groups = w.shape[0], w.shape[1] // quant.group_size
-            wq = torch.empty(out_f, w.shape[1] // quant.per_word, dtype=torch.int32, device="meta")
+            wq = torch.empty(out_f, quant.words(w.shape[1]), dtype=torch.int32, device="meta")
             sb = [torch.empty(out_f, groups, dtype=w.dtype, device="meta") for _ in range(2)]
             self.set_packed(wq, *sb, quant)
             return

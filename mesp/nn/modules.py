@@ -3,7 +3,7 @@
 Children keep PEFT's names and order (base_layer, lora_A[adapter], lora_B[adapter], …), so the
 state-dict entries are PEFT's. (mesp.patch keeps PEFT's own layer objects instead: PEFT finds
 its layers by type to save, merge or disable them.) A base is an nn.Linear with a frozen weight
-or a mesp FrozenWeight (dense, or 4-bit packed and dequantized on the fly in forward and again
+or a mesp FrozenWeight (dense, or packed codes dequantized on the fly in forward and again
 in backward).
 """
 

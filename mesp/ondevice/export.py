@@ -69,13 +69,13 @@ class ExportOptions:
         default=False,
         metadata={
             "help": "ExecuTorch: portable kernels only, no XNNPACK delegate (mesp's kernel ops "
-            "still multiply the 4/8-bit matrices, through XNNPACK's operator API)"
+            "still multiply the packed 4/5/6/8-bit matrices, through XNNPACK's operator API)"
         },
     )
     weight_block_kb: int = field(
         default=0,
         metadata={
-            "help": "ExecuTorch: dequantize each 4/8-bit block matrix in the graph, in blocks "
+            "help": "ExecuTorch: dequantize each packed block matrix in the graph, in blocks "
             "of at most KB KiB of fp32 (rows for x Wᵀ, columns for dy W) instead of with "
             "mesp's kernel ops (implies --aten-dequant; 0: the kernel ops)",
             "metavar": "KB",

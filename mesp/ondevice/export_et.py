@@ -69,7 +69,7 @@ def edge_block_spec(
 
 
 def edge_spec(es: EdgeSpec, kernel: bool = False) -> EdgeSpec:
-    """The loss and embedding spec with the core-ATen unpack; with `kernel`, a 4/8-bit head's
+    """The loss and embedding spec with the core-ATen unpack; with `kernel`, a packed head's
     slice products as mesp's kernel ops (the slice is never dequantized whole)."""
     q = es.head.quant
     own = kernel and q is not None and q.bits in KERNEL_BITS
@@ -174,7 +174,7 @@ def export_executorch(
 ) -> dict[str, Any]:
     """Lower every program of a step; returns run_config.json's "executorch" section. With
     `kernel` (and no weight_block_bytes), the block programs call mesp's kernel ops for their
-    4/8-bit matrices; the section's "kernels" names them (a driver must bring them)."""
+    packed (4/5/6/8-bit) matrices; the section's "kernels" names them (a driver must bring them)."""
     kernel = kernel and not weight_block_bytes
     used = False
     S, B, hid = seq_len, batch_size, model.config.hidden_size

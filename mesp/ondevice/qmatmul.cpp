@@ -1,11 +1,12 @@
-// mesp::qlinear.out and mesp::qmatmul.out: the products of a block with a packed 4- or 8-bit
-// frozen matrix, as ExecuTorch kernels (the ops mesp/ops/qmatmul.py defines for the export).
+// mesp::qlinear.out and mesp::qmatmul.out: the products of a block with a packed 4-, 5-, 6- or
+// 8-bit frozen matrix, as ExecuTorch kernels (the ops mesp/ops/qmatmul.py defines for the export).
 //
 //   qlinear  y (M, N) = x (M, K) Wᵀ     W (N, K) dequantized a block of rows at a time
 //   qmatmul  dx (M, K) = dy (M, N) W    W dequantized a block of whole groups of columns at a time
 //
-// W is stored as mesp.quant.packed_bytes: bytes (N, K·bits/8), byte k holding values 2k (low
-// nibble) and 2k + 1 (high nibble) at 4 bits, value k at 8 bits; scales and biases (N, K/g) fp32;
+// W is stored as mesp.quant.packed_bytes: bytes (N, K·bits/8), each row a little-endian bit
+// stream with value c at bits bits·c .. bits·c + bits − 1 (4 bits: byte c/2, low nibble first;
+// 8 bits: byte c; 5 and 6 bits: a value may straddle two bytes); scales and biases (N, K/g) fp32;
 // w = q·scale + bias, rounded twice as mesp.quant.dequantize_core_aten does (this file is
 // compiled with -ffp-contract=off, so no fused multiply-add merges the two). Each block goes
 // through XNNPACK's fp32 fully-connected operator on ExecuTorch's thread pool. So a product
@@ -66,6 +67,16 @@ struct Packed {
   const float* b;
   int64_t n, k, bits, group, row_bytes, groups;
 
+  // value c of a row's bytes qr: its bits start in byte o/8 at bit o%8 (o = bits·c), and where
+  // they run past that byte (5, 6 bits only) they end in the next one
+  uint32_t value(const uint8_t* qr, int64_t c) const {
+    if (bits == 8) return qr[c];
+    if (bits == 4) return c & 1 ? qr[c >> 1] >> 4 : qr[c >> 1] & 15u;
+    const int64_t o = bits * c, i = o >> 3, sh = o & 7;
+    const uint32_t pair = qr[i] | (sh + bits > 8 ? uint32_t(qr[i + 1]) << 8 : 0u);
+    return (pair >> sh) & ((1u << bits) - 1);
+  }
+
   // values c0:c1 of row r (c0, c1 on group boundaries) into out
   void row(int64_t r, int64_t c0, int64_t c1, float* out) const {
     const uint8_t* qr = q + r * row_bytes;
@@ -74,9 +85,7 @@ struct Packed {
     for (int64_t g0 = c0; g0 < c1; g0 += group) {
       const float sc = sr[g0 / group], bi = br[g0 / group];
       for (int64_t c = g0; c < g0 + group; ++c) {
-        const uint32_t byte = bits == 8 ? qr[c] : qr[c >> 1];
-        const float v = float(bits == 8 ? byte : (c & 1 ? byte >> 4 : byte & 15u));
-        const float t = v * sc;
+        const float t = float(value(qr, c)) * sc;
         *out++ = t + bi;
       }
     }
@@ -123,7 +132,8 @@ bool checked(KernelRuntimeContext& ctx, bool linear, const Tensor& a, const Tens
   bool ok = a.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float &&
             wq.scalar_type() == ScalarType::Byte && sc.scalar_type() == ScalarType::Float &&
             bi.scalar_type() == ScalarType::Float && wq.dim() == 2 && sc.dim() == 2 &&
-            bi.dim() == 2 && (bits == 4 || bits == 8) && group > 0 && a.dim() >= 1;
+            bi.dim() == 2 && (bits == 4 || bits == 5 || bits == 6 || bits == 8) && group > 0 &&
+            a.dim() >= 1 && wq.size(1) * 8 % bits == 0;
   if (ok) {
     const int64_t n = wq.size(0), k = wq.size(1) * 8 / bits;
     *w = {wq.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(), bi.const_data_ptr<float>(),

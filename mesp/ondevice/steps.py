@@ -8,10 +8,11 @@ state (`p`, `g`, `m`, `v`). `Flat` turns one into an nn.Module of positional ten
 recorded order, which is all a native runner needs to drive it.
 
 The block programs are mesp.ondevice.programs' block_forward / block_backward (themselves the
-engine's ops, op for op) with two edge formulations switched on by the spec: the core-ATen 4-bit
-unpack and the exact query-tiled attention. The backward program recomputes the forward's saved
-tensors itself (recompute + hand backward in one graph: the planner frees each saved tensor at its
-last use, where two programs would hold all of them as one program's outputs).
+engine's ops, op for op) with two edge formulations switched on by the spec: the core-ATen
+unpack of packed codes and the exact query-tiled attention. The backward program recomputes the
+forward's saved tensors itself (recompute + hand backward in one graph: the planner frees each
+saved tensor at its last use, where two programs would hold all of them as one program's
+outputs).
 
 The optimizer updates replay torch.optim's single-tensor CPU kernels (torch 2.13) in fp32:
   SGD    p ← p + (−lr)·(g + wd·p)

@@ -1,8 +1,10 @@
 /* mesp's one-sweep dequantizer for MLX affine-quantized weights (see mesp/quant.py).
  *
- * w = q * scale + bias per group of `group` consecutive inputs, with q the 4- or 8-bit value of
- * byte k (4 bits: low nibble first). Each output element is written once, from the packed bytes
- * and its group's scale and bias, instead of torch's unpack / convert / multiply / add passes.
+ * w = q * scale + bias per group of `group` consecutive inputs, with q value k of the row's
+ * little-endian bit stream (bits bits*k .. bits*k + bits - 1: at 4 bits byte k/2, low nibble
+ * first; at 8 bits byte k; at 5 and 6 bits eight values fill `bits` bytes, a value may straddle
+ * two; mesp/quant_pack.py). Each output element is written once, from the packed bytes and its
+ * group's scale and bias, instead of torch's unpack / convert / multiply / add passes.
  *
  * Bit-identical to mesp.quant's torch path, which rounds twice (w * scale, then + bias) in the
  * output dtype: built with -ffp-contract=off, so no multiply-add is fused. In bf16 each step is
@@ -34,6 +36,17 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 static inline float load(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* 5 or 6 bits: a group's `group` values (a multiple of 8) from its bytes, 8 values (`bits`
+ * bytes, read as one little-endian integer) at a time */
+static inline void unpack_odd(const uint8_t *wg, int group, int bits, uint8_t *vals) {
+    const uint64_t mask = (1u << bits) - 1;
+    for (int k = 0; k < group; k += 8, wg += bits) {
+        uint64_t chunk = 0;
+        for (int i = 0; i < bits; i++) chunk |= (uint64_t)wg[i] << (8 * i);
+        for (int j = 0; j < 8; j++) vals[k + j] = (uint8_t)((chunk >> (bits * j)) & mask);
+    }
 }
 
 #ifdef __AVX2__
@@ -92,10 +105,16 @@ static inline void row(const uint8_t *w, const void *s, const void *b, void *dst
                 put8(c, vs, vb, ok + 16 * esize, bf16_math, out_bf16);
                 put8(_mm_srli_si128(c, 8), vs, vb, ok + 24 * esize, bf16_math, out_bf16);
             }
-        } else {
+        } else if (bits == 8) {
             const uint8_t *wg = w + g * group;
             for (int k = 0; k < group; k += 8)
                 put8(_mm_loadl_epi64((const __m128i *)(wg + k)), vs, vb, o + k * esize,
+                     bf16_math, out_bf16);
+        } else { /* 5, 6 bits: unpacked to bytes first, then the 8-bit path's arithmetic */
+            uint8_t q[128];
+            unpack_odd(w + g * group * bits / 8, group, bits, q);
+            for (int k = 0; k < group; k += 8)
+                put8(_mm_loadl_epi64((const __m128i *)(q + k)), vs, vb, o + k * esize,
                      bf16_math, out_bf16);
         }
 #else
@@ -106,6 +125,10 @@ static inline void row(const uint8_t *w, const void *s, const void *b, void *dst
                 vals[2 * k] = (float)(wg[k] & 15);
                 vals[2 * k + 1] = (float)(wg[k] >> 4);
             }
+        } else if (bits != 8) {
+            uint8_t q[128];
+            unpack_odd(w + g * group * bits / 8, group, bits, q);
+            for (int k = 0; k < group; k++) vals[k] = (float)q[k];
         } else {
             const uint8_t *wg = w + g * group;
             for (int k = 0; k < group; k++) vals[k] = (float)wg[k];
@@ -136,9 +159,10 @@ static inline void row(const uint8_t *w, const void *s, const void *b, void *dst
 int mesp_dequantize(const uint8_t *wb, const void *s, const void *b, void *out, int64_t r0,
                     int64_t r1, int64_t groups, int64_t g0, int64_t g1, int64_t ld, int group,
                     int bits, int scale_bf16, int bf16_math, int out_bf16, int threads) {
-    /* 4 bits: 32-value steps; 8 bits: 8-value steps, so group 16 (GGUF's Q6_K) too */
-    if ((bits != 4 && bits != 8) || group > 128 || group % (bits == 4 ? 32 : 16) || group < 16)
-        return -1;
+    /* 4 bits: 32-value steps; 8 bits: 8-value steps, so group 16 (GGUF's Q6_K) too; 5 and 6
+     * bits: 8-value chunks of `bits` bytes */
+    if (bits != 4 && bits != 5 && bits != 6 && bits != 8) return -1;
+    if (group > 128 || group % (bits == 4 ? 32 : bits == 8 ? 16 : 8) || group < 16) return -1;
     if (out_bf16 && !bf16_math) return -1;
     int64_t row_bytes = groups * group * bits / 8, work = (r1 - r0) * (g1 - g0) * group;
     if (threads < 1) threads = 1;

@@ -3,10 +3,10 @@ op each, for the on-device programs (mesp export).
 
   qlinear(x (..., K), W) -> x Wᵀ (..., N)      qmatmul(dy (..., N), W) -> dy W (..., K)
 
-W (N, K) is given as mesp.quant.packed_bytes (uint8, 4 or 8 bits) with its fp32 scales and biases
-(N, K/g). In a graph that dequantizes W with ATen ops, the whole fp32 matrix sits in the planned
-arena and XNNPACK packs a second copy of it into its workspace: about two fp32 copies of the
-largest matrix of a block, per program. The runtimes' kernel (mesp/ondevice/qmatmul.cpp, in the
+W (N, K) is given as mesp.quant.packed_bytes (uint8, 4, 5, 6 or 8 bits) with its fp32 scales and
+biases (N, K/g). In a graph that dequantizes W with ATen ops, the whole fp32 matrix sits in the
+planned arena and XNNPACK packs a second copy of it into its workspace: about two fp32 copies of
+the largest matrix of a block, per program. The runtimes' kernel (mesp/ondevice/qmatmul.cpp, in the
 native runner and in the library the Python driver loads) dequantizes W a block at a time into a
 small buffer and multiplies each block with XNNPACK: the same values (w = q·scale + bias, two
 roundings) and whole dot products, a megabyte or two of scratch.
@@ -101,7 +101,7 @@ class PackedKernel:
         return torch.ops.mesp.qmatmul(dy, *self._args())
 
 
-KERNEL_BITS = (4, 8)  # the packings mesp/ondevice/qmatmul.cpp reads
+KERNEL_BITS = (4, 5, 6, 8)  # the packings mesp/ondevice/qmatmul.cpp reads
 KERNEL_OPS = ("mesp::qlinear.out", "mesp::qmatmul.out")  # the kernels a runtime must register
 
 __all__ = ["KERNEL_BITS", "KERNEL_OPS", "PackedKernel"]
