@@ -67,26 +67,33 @@ struct Packed {
   const float* b;
   int64_t n, k, bits, group, row_bytes, groups;
 
-  // value c of a row's bytes qr: its bits start in byte o/8 at bit o%8 (o = bits·c), and where
-  // they run past that byte (5, 6 bits only) they end in the next one
-  uint32_t value(const uint8_t* qr, int64_t c) const {
-    if (bits == 8) return qr[c];
-    if (bits == 4) return c & 1 ? qr[c >> 1] >> 4 : qr[c >> 1] & 15u;
-    const int64_t o = bits * c, i = o >> 3, sh = o & 7;
-    const uint32_t pair = qr[i] | (sh + bits > 8 ? uint32_t(qr[i + 1]) << 8 : 0u);
-    return (pair >> sh) & ((1u << bits) - 1);
-  }
-
   // values c0:c1 of row r (c0, c1 on group boundaries) into out
   void row(int64_t r, int64_t c0, int64_t c1, float* out) const {
+    switch (bits) {
+      case 4: return row_of<4>(r, c0, c1, out);
+      case 5: return row_of<5>(r, c0, c1, out);
+      case 6: return row_of<6>(r, c0, c1, out);
+      default: return row_of<8>(r, c0, c1, out);
+    }
+  }
+
+  // Eight values at once: they fill exactly B bytes from a byte boundary (a group is a multiple
+  // of 8 values and starts on one), read as one little-endian integer, B bits a value.
+  template <int B>
+  void row_of(int64_t r, int64_t c0, int64_t c1, float* out) const {
     const uint8_t* qr = q + r * row_bytes;
     const float* sr = s + r * groups;
     const float* br = b + r * groups;
     for (int64_t g0 = c0; g0 < c1; g0 += group) {
       const float sc = sr[g0 / group], bi = br[g0 / group];
-      for (int64_t c = g0; c < g0 + group; ++c) {
-        const float t = float(value(qr, c)) * sc;
-        *out++ = t + bi;
+      const uint8_t* p = qr + g0 * B / 8;
+      for (int64_t c = 0; c < group; c += 8, p += B, out += 8) {
+        uint64_t word = 0;
+        for (int j = 0; j < B; ++j) word |= uint64_t(p[j]) << (8 * j);
+        for (int j = 0; j < 8; ++j) {
+          const float t = float(uint32_t(word >> (B * j)) & ((1u << B) - 1u)) * sc;
+          out[j] = t + bi;  // two roundings, as w = q·scale + bias everywhere (no FMA)
+        }
       }
     }
   }
@@ -133,7 +140,7 @@ bool checked(KernelRuntimeContext& ctx, bool linear, const Tensor& a, const Tens
             wq.scalar_type() == ScalarType::Byte && sc.scalar_type() == ScalarType::Float &&
             bi.scalar_type() == ScalarType::Float && wq.dim() == 2 && sc.dim() == 2 &&
             bi.dim() == 2 && (bits == 4 || bits == 5 || bits == 6 || bits == 8) && group > 0 &&
-            a.dim() >= 1 && wq.size(1) * 8 % bits == 0;
+            group % 8 == 0 && a.dim() >= 1 && wq.size(1) * 8 % bits == 0;
   if (ok) {
     const int64_t n = wq.size(0), k = wq.size(1) * 8 / bits;
     *w = {wq.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(), bi.const_data_ptr<float>(),
