@@ -29,9 +29,14 @@ FIND_LOW, FIND_HIGH = 16 * MB, 4000 * MB
 
 
 def train_argv(c: OndeviceConfig, work: Path, data: Path) -> list[str]:
-    """`mesp train` on the configuration the runner was exported with."""
-    argv = [sys.executable, "-m", "mesp.cli", "train", "--model", f"random:{c.shape}"]
-    argv += ["--quantize", str(c.bits), "--group-size", str(c.group_size), "--dtype", "float32"]
+    """`mesp train` on the configuration the runner was exported with (a real model: its codes
+    as stored, as the export keeps them)."""
+    argv = [sys.executable, "-m", "mesp.cli", "train"]
+    if c.model:
+        argv += ["--model", c.model, "--dtype", "float32"]
+    else:
+        argv += ["--model", f"random:{c.shape}", "--quantize", str(c.bits)]
+        argv += ["--group-size", str(c.group_size), "--dtype", "float32"]
     argv += ["--engine", "mesp", "--rank", str(c.rank), "--seq-len", str(c.seq)]
     argv += ["--batch-size", str(c.batch), "--steps", str(c.steps), "--optimizer", "sgd"]
     argv += ["--lr", repr(c.lr), "--warmup", "0", "--data", str(data), "--eval-every", "0"]
@@ -87,7 +92,7 @@ def run_caps(
 
 
 def line(r: dict[str, Any]) -> str:
-    parts = [f"{r['config']['shape']}, {r['config']['steps']} steps"]
+    parts = [f"{label(r['config'])}, {r['config']['steps']} steps"]
     if "native_at_cap" in r:
         parts.append(f"native: {r['native_at_cap']['why']}")
     if "native_cap_mb" in r:
@@ -107,7 +112,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "The smallest memory cgroup (no swap) in which 3 steps complete, bisected to 8 MB "
         "(`mesp bench ondevice --find-cap`): the native runner on its exported programs, and "
-        "`mesp train` (engine mesp, same shape, 4-bit, rank, sequence, SGD) from a fresh "
+        "`mesp train` (engine mesp, same shape and weights, rank, sequence, SGD) from a fresh "
         "process. The group is charged page cache as well; clean pages are reclaimed before "
         "the kernel kills, so the cap is what must stay resident, below the group's peak charge.",
         "",
