@@ -1,0 +1,108 @@
+"""The `mesp bench ondevice` rows as text: the one-line summary of a row and BENCHMARKS.md's
+section (the runner's own peak beside the 5 ms outside poll, the per-program breakdown)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PAPER_MB = 136.2  # MeSP on an iPhone 17 Pro, bf16 LoRA, seq 256 (arXiv 2602.13069)
+
+
+def line(r: dict[str, Any]) -> str:
+    n, e = r["native"], r["engine"]
+    return (
+        f"{label(r['config'])}: native {n['median_s']:.2f} s/step, peak anon "
+        f"{n['peak_anon_bytes'] / 1e6:.1f} MB{_polled(n)} "
+        f"(VmHWM {n['peak_rss_bytes'] / 1e6:.1f} MB); "
+        f"engine {e['median_s']:.2f} s/step, peak RSS {e['peak_rss_bytes'] / 1e6:.1f} MB"
+    )
+
+
+def _polled(n: dict[str, Any]) -> str:
+    """', outside 5 ms poll X MB' where the row has it (rows before the poll have not)."""
+    if not n.get("polled_peak_anon_bytes"):
+        return ""
+    ms = n["poll_period_s"] * 1e3
+    return f", outside {ms:g} ms poll {n['polled_peak_anon_bytes'] / 1e6:.1f} MB"
+
+
+def honest(n: dict[str, Any]) -> str:
+    """The largest anon figure the row knows (its own, or the outside poll's where higher), MB,
+    with a mark where the outside poll read more than the runner reported + 2%."""
+    own, polled = n["peak_anon_bytes"], n.get("polled_peak_anon_bytes") or 0
+    flag = " (!)" if polled > 1.02 * own else ""
+    return f"{max(own, polled) / 1e6:.1f}{flag}"
+
+
+def section(rows: list[dict[str, Any]]) -> list[str]:
+    ok = [r for r in rows if r.get("table") == "ondevice" and r.get("status") == "ok"]
+    if not ok:
+        return []
+    lines = [
+        "## On the device: the native ExecuTorch runner",
+        "",
+        "`mesp export --target executorch` programs trained by build/ondevice/mesp-runner "
+        "(C++, no Python, no libtorch), SGD, beside the in-process mesp engine on the same "
+        "configuration (fp32, every block recomputed). Peak anon = the largest RssAnon the "
+        "runner reported (anonymous memory, the analogue of iOS phys_footprint; a thread of the "
+        "runner reads it every 1 ms); outside poll = the largest RssAnon read from "
+        "/proc/PID/status every 5 ms by the benchmark (the figure to trust: (!) marks a row "
+        "whose poll read more than the runner's own + 2%; rows before the poll have none). "
+        "VmHWM also counts the mapped weight files and libraries. Times: median of the steps "
+        "after the first.",
+        "",
+        "| shape | seq | bits | native s/step | engine s/step | native / engine | peak anon MB "
+        f"| outside poll MB | vs paper {PAPER_MB} MB | native VmHWM MB | engine peak RSS MB "
+        "| largest planned MB | CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ok:
+        c, n, e = r["config"], r["native"], r["engine"]
+        anon = max(n["peak_anon_bytes"], n.get("polled_peak_anon_bytes") or 0) / 1e6
+        polled = n.get("polled_peak_anon_bytes")
+        big = max(n["planned_bytes"].items(), key=lambda kv: kv[1])
+        lines.append(
+            f"| {label(c)} | {c['seq']} | {'stored' if c.get('model') else c['bits']} | "
+            f"{n['median_s']:.2f} | "
+            f"{e['median_s']:.2f} | {n['median_s'] / e['median_s']:.2f} | "
+            f"{n['peak_anon_bytes'] / 1e6:.1f} | "
+            f"{honest(n) if polled else 'not polled'} | "
+            f"{anon / PAPER_MB:.2f}x | {n['peak_rss_bytes'] / 1e6:.1f} | "
+            f"{e['peak_rss_bytes'] / 1e6:.1f} | {big[1] / 1e6:.1f} ({big[0]}) | "
+            f"{r.get('cpu', 'not recorded')} |"
+        )
+    lines.append("")
+    # the breakdown of the newest real-model row (else the first): what each program adds
+    real = [r for r in ok if r["config"].get("model")]
+    for r in real[-1:] or ok[:1]:
+        planned = ", ".join(
+            f"{k} {v / 1e6:.1f}" for k, v in sorted(r["native"]["planned_bytes"].items())
+        )
+        seen = [
+            f"{e['at'].removeprefix('after first ')} {e['rss_anon_bytes'] / 2**20:.1f}"
+            + (
+                f" (inside {e['peak_inside_bytes'] / 2**20:.1f})"
+                if e.get("peak_inside_bytes")
+                else ""
+            )
+            for e in r["native"].get("memory_events", [])
+            if not e["at"].startswith("before")
+        ]
+        lines.append(f"Planned memory per program (MB), {label(r['config'])}: {planned}.")
+        if seen:
+            lines.append(f"Runner RssAnon (MiB) at each point of step 1: {', '.join(seen)}.")
+    lines += [
+        "Targets (issue 37): peak anon ≤ 100 MB polled from outside with the default export "
+        f"(the paper: {PAPER_MB} MB), native step ≤ 1.0× the engine's (both measured in one run, "
+        "alone on the machine).",
+        "",
+    ]
+    return lines
+
+
+def label(c: dict[str, Any]) -> str:
+    kb = c.get("weight_block_kb", 0)
+    what = f"{c['model']} (real)" if c.get("model") else c["shape"]
+    shape = what + (f" rank {c['rank']}" if c.get("rank", 8) != 8 else "")
+    shape += f" ({kb} KiB weight blocks)" if kb else ""
+    return shape + (" (block inputs on disk)" if c.get("checkpoints_on_disk") else "")
