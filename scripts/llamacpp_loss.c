@@ -25,9 +25,14 @@ static int fail(const char *what) {
     return 2;
 }
 
-// One row of ids from `line` into `ids` (grown as needed); returns its length.
-static int parse_row(char *line, llama_token **ids, int *cap) {
+// One row of ids from `line` into `ids` (grown as needed); returns its length. A row may end in
+// "| m0 m1 ...": a 0/1 per id (mesp's loss_mask), and then only targets i with mask 1 are scored;
+// the mask's text is left in *mask_text (NULL when there is none).
+static int parse_row(char *line, llama_token **ids, int *cap, char **mask_text) {
     int n = 0;
+    char *bar = strchr(line, '|');
+    *mask_text = bar ? bar + 1 : NULL;
+    if (bar) *bar = '\0';
     for (char *tok = strtok(line, " \t\r\n"); tok != NULL; tok = strtok(NULL, " \t\r\n")) {
         if (n == *cap) {
             *cap = *cap ? 2 * *cap : 256;
@@ -50,8 +55,9 @@ int main(int argc, char **argv) {
     size_t line_cap = 0;
     llama_token *ids = NULL;
     int ids_cap = 0, longest = 0;
+    char *mask_text = NULL;
     while (getline(&line, &line_cap, rows) > 0) {
-        int n = parse_row(line, &ids, &ids_cap);
+        int n = parse_row(line, &ids, &ids_cap, &mask_text);
         if (n > longest) longest = n;
     }
     if (longest < 2) return fail("no row of two or more tokens");
@@ -81,9 +87,17 @@ int main(int argc, char **argv) {
     double total = 0.0;
     long tokens = 0, n_rows = 0;
     rewind(rows);
+    char *mask = NULL;
     while (getline(&line, &line_cap, rows) > 0) {
-        int n = parse_row(line, &ids, &ids_cap);
+        int n = parse_row(line, &ids, &ids_cap, &mask_text);
         if (n == 0) continue;  // a blank line
+        mask = realloc(mask, (size_t)n);
+        int n_mask = 0;
+        for (char *t = mask_text ? strtok(mask_text, " \t\r\n") : NULL; t && n_mask < n;
+             t = strtok(NULL, " \t\r\n"))
+            mask[n_mask++] = (char)(t[0] == '1');
+        if (mask_text != NULL && n_mask != n) return fail("a row's mask and ids differ in length");
+        if (mask_text == NULL) memset(mask, 1, (size_t)n);
         if (n < 2) return fail("a row of one token has no next token");
         for (int i = 0; i < n; ++i) {
             if (ids[i] < 0 || ids[i] >= n_vocab) return fail("a token id outside the vocabulary");
@@ -97,13 +111,14 @@ int main(int argc, char **argv) {
         llama_memory_clear(llama_get_memory(ctx), true);
         if (llama_decode(ctx, batch) != 0) return fail("llama_decode failed");
         for (int i = 0; i + 1 < n; ++i) {
+            if (!mask[i + 1]) continue;  // not a trained target (mesp eval skips it too)
             const float *z = llama_get_logits_ith(ctx, i);
             double m = z[0], s = 0.0;
             for (int v = 1; v < n_vocab; ++v) m = z[v] > m ? z[v] : m;
             for (int v = 0; v < n_vocab; ++v) s += exp((double)z[v] - m);
             total += m + log(s) - (double)z[ids[i + 1]];
+            ++tokens;
         }
-        tokens += n - 1;
         ++n_rows;
     }
     printf("{\"loss\": %.9f, \"tokens\": %ld, \"rows\": %ld, \"adapter\": %s}\n",
@@ -113,6 +128,7 @@ int main(int argc, char **argv) {
     llama_model_free(model);
     llama_backend_free();
     free(ids);
+    free(mask);
     free(line);
     fclose(rows);
     return 0;

@@ -43,7 +43,8 @@ def _env() -> dict[str, str]:
 def _buildable() -> None:
     """libllama is built, or cmake, ninja and a C compiler are here to build it."""
     env = _env()
-    if (LLAMACPP / env.get("VERSION", "0.3.36") / "build" / "bin" / "libllama.so").exists():
+    top = LLAMACPP / env.get("VERSION", "0.3.36")
+    if any(top.glob("build-*/bin/libllama.so")):
         return
     for tool in ("cmake", "ninja", "cc"):
         if shutil.which(tool, path=env["PATH"]) is None:
