@@ -36,9 +36,22 @@ LR = {"sgd": T.LR, "adamw": 2e-3}
 TOL = {"sgd": 1e-5, "adamw": 1e-4}  # the issue's bounds; measured: ~3e-7 for both
 # Adapters after 20 steps. AdamW divides by √v: on an entry whose gradient stays near zero, an
 # ulp-level difference in the gradient (XNNPACK's summation order against MKL's) moves each step
-# by a visible fraction of lr (2e-3); measured up to 9.0e-6 (Gemma 2, 4-bit, down_proj.lora_A),
-# so AdamW's bound is lr/70 where SGD's stays 1e-6.
+# by a visible fraction of lr (2e-3), and which entries sit there depends on the CPU's kernels:
+# measured 9.0e-6 at most on one machine, 3.9e-5 on one entry of 480 on another (Gemma 2, 4-bit).
+# So AdamW's bound is per entry lr/70 for all but 1% of a tensor's entries and lr/10 for every
+# one; a wrong gradient moves most entries by ~lr a step (4e-2 after 20). SGD's stays 1e-6.
 ADAPTER_TOL = {"sgd": 1e-6, "adamw": 3e-5}
+ADAPTER_TOL_ALL = {"sgd": 1e-6, "adamw": 2e-4}
+
+
+def _adapters_agree(got: torch.Tensor, want: torch.Tensor, opt: str, name: str) -> None:
+    """Every entry within ADAPTER_TOL_ALL, and at most 1% of them beyond ADAPTER_TOL."""
+    diff = (got - want).abs()
+    loose = int((diff > ADAPTER_TOL[opt]).sum())
+    assert float(diff.max()) <= ADAPTER_TOL_ALL[opt], (name, float(diff.max()))
+    assert loose <= diff.numel() // 100, (name, loose, diff.numel(), float(diff.max()))
+
+
 CASES = [(f, q) for f in T.CASES for q in ("q4", "dense")]
 FAST = {("qwen2", "q4")}
 
@@ -99,9 +112,7 @@ def test_executorch_trains_like_the_engine(  # type: ignore[no-untyped-def]
     params = _params(case)
     for i, lora in enumerate(trainer.lora):
         for k, p in lora.items():
-            torch.testing.assert_close(
-                p, params[f"model.layers.{i}.{k}"], rtol=0, atol=ADAPTER_TOL[opt]
-            )
+            _adapters_agree(p, params[f"model.layers.{i}.{k}"].detach(), opt, f"{i}.{k}")
 
 
 def test_every_program_is_delegated_and_recorded(et_cases) -> None:  # type: ignore[no-untyped-def]
