@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,13 @@ def test_cli_export_then_run_artifacts(tmp_path: Path, capsys) -> None:  # type:
     capsys.readouterr()
     argv = ["export", "--model", str(model), "--adapter", str(ad), "--out", str(art)]
     argv += "--quantize 4 --group-size 32 --seq-len 8 --memory-report".split()
-    assert main(argv) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    # quiet: no warning of a kind Python shows a user by default (torch's pytree printed dozens)
+    hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+    shown = {str(w.message)[:80] for w in caught if not issubclass(w.category, hidden)}
+    assert not shown, shown
     printed = capsys.readouterr().out
     assert "ExecuTorch programs (xnnpack" in printed and ".pte plan" in printed, printed
     rows = [([i % 300 for i in range(k, k + 9)], [1] * 9) for k in range(3)]

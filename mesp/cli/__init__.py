@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 
 from mesp.cli.args import add_dataclass_args, apply_config_defaults, apply_resume_defaults
 from mesp.errors import MespError
@@ -121,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     # mesp user can act on, and under mesp's prefix they read as mesp's own warnings
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # and torch's pytree warns once per tree spec that ExecuTorch's export copies (dozens of lines
+    # in `mesp export`): a third-party deprecation, not the user's to act on
+    warnings.filterwarnings(
+        "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning
+    )
     try:
         parser = _parser()
         if argv and argv[0] == "train":
