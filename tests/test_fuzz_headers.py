@@ -212,6 +212,17 @@ def test_mutated_gguf_header(data: st.DataObject) -> None:
         _accepts(load_model, f)
 
 
+def test_zero_head_count_is_one_line() -> None:
+    """Found by the fuzzer above in CI: a header whose attention.head_count byte was zeroed
+    divided by it (hidden // heads) and ended in a ZeroDivisionError traceback."""
+    raw, _ = _gguf_file("llama")
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "m.gguf"
+        f.write_bytes(_mutate(raw, [("set", 255, 0)]))
+        with pytest.raises(MespError, match="head_count' must be positive, got 0"):
+            load_model(f)
+
+
 LLAMA_CONFIG = {
     "model_type": "llama",
     **TINY_CONFIG,

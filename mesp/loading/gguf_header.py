@@ -144,8 +144,13 @@ def parse_header(
                 f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
             )
         block, type_size = GGML_QUANT_SIZES[qtype]
-        if not dims or dims[0] % block:
+        if not dims or dims[0] % block or min(dims) <= 0:
             raise MespError(f"{where}: corrupt GGUF file (tensor {shown(name)} dims {dims})")
+        if offset % align:  # GGUF aligns every tensor's data; a value read must not straddle
+            raise MespError(
+                f"{where}: corrupt GGUF file (tensor {shown(name)} at offset {offset}, not a "
+                f"multiple of the alignment {align})"
+            )
         nbytes = math.prod(dims) // block * type_size
         start = data_start + offset
         if start + nbytes > len(buf):

@@ -110,17 +110,27 @@ def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str
 
     if "token_embd.weight" not in infos:
         raise MespError(f"{where}: missing tensor 'token_embd.weight'")
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+
+    def positive(key: str, value: Any) -> int:  # sizes divide and index: 0 is a corrupt file
+        if int(value) <= 0:
+            raise MespError(f"{where}: metadata key '{arch}.{key}' must be positive, got {value}")
+        return int(value)
+
+    hidden = positive("embedding_length", get("embedding_length"))
+    heads = positive("attention.head_count", get("attention.head_count"))
     # head_dim: explicit key_length (qwen3, gemma3), else rope dims (llama), else hidden/heads.
     head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+    positive("attention.key_length (head_dim)", head_dim)
     cfg: dict[str, Any] = {
         "model_type": ARCHS[arch],
         "vocab_size": infos["token_embd.weight"].shape[0],  # rows the model actually has
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": positive("feed_forward_length", get("feed_forward_length")),
+        "num_hidden_layers": positive("block_count", get("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": positive(
+            "attention.head_count_kv", get("attention.head_count_kv", heads)
+        ),
         "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(get("rope.freq_base", 1e6 if arch == "gemma3" else 1e4)),
@@ -152,7 +162,10 @@ def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str
         sliding = (
             [bool(x) for x in pattern]
             if isinstance(pattern, list)
-            else [(i + 1) % int(pattern) != 0 for i in range(n)]
+            else [
+                (i + 1) % positive("attention.sliding_window_pattern", pattern) != 0
+                for i in range(n)
+            ]
         )
         # llama.cpp: attention scale is 1/sqrt(hidden/heads) for 27B (62 layers), else head_dim.
         scale = get("attention.scale", None)
