@@ -61,7 +61,8 @@ def test_block_programs_in_blocks_equal_the_whole_weight_programs(family: str) -
     them: in 2 KiB weight blocks (every projection cut in several) against whole weights."""
     from mesp.ondevice.export import _blocks, _ctx
     from mesp.ondevice.export_et import edge_block_spec, edge_weights
-    from mesp.ondevice.programs import block_backward, block_forward, block_parts
+    from mesp.ondevice.programs import block_forward, block_parts
+    from mesp.ondevice.programs_backward import block_backward
     from tests.engine_cases import model_with_adapter
 
     model = model_with_adapter(family, quant=QuantSpec(4, 32))

@@ -254,7 +254,8 @@ def test_backward_casts_each_packed_matrix_once(block_kb: int) -> None:
     at once), and the program's outputs are the per-use casts' to the bit."""
     from mesp.ondevice.export import _blocks, _ctx
     from mesp.ondevice.export_et import edge_block_spec, edge_weights
-    from mesp.ondevice.programs import block_backward, block_forward, block_parts
+    from mesp.ondevice.programs import block_forward, block_parts
+    from mesp.ondevice.programs_backward import block_backward
     from mesp.ondevice.steps import backward_step
     from mesp.quant import QuantSpec
 

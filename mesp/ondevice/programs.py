@@ -25,13 +25,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
-from mesp.ops.attention import attention, attention_bwd, attention_fwd
-from mesp.ops.lora_linear import lora_linear_backward
+from mesp.ops.attention import attention, attention_fwd
 from mesp.ops.matmul import TracedBlocks, add_product
-from mesp.ops.mlp import gated_act, gated_act_backward
-from mesp.ops.norm import rms_norm, rms_norm_backward, rms_norm_heads, rms_norm_heads_backward
+from mesp.ops.mlp import gated_act
+from mesp.ops.norm import rms_norm, rms_norm_heads
 from mesp.ops.qmatmul import PackedKernel
-from mesp.ops.rope import apply_rope, apply_rope_backward
+from mesp.ops.rope import apply_rope
 from mesp.quant import QuantSpec, dequantize, dequantize_core_aten
 
 Tensors = dict[str, Tensor]
@@ -223,13 +222,33 @@ def _qk_norm(bs: BlockSpec, x: Tensor, w: Tensors, name: str) -> Tensor:
     return _norm(bs, x, w, name)
 
 
-def _attn_kw(bs: BlockSpec) -> dict:
+def attn_kw(bs: BlockSpec) -> dict:
     """attention_fwd/bwd's options: the query tiles (edge programs) and Gemma 2's cap."""
     kw: dict = {} if bs.attn_tile is None else {"impl": "chunked", "chunk": bs.attn_tile}
     return kw if bs.softcap is None else {**kw, "softcap": bs.softcap}
 
 
-def _branch(bs: BlockSpec, t: Tensor) -> Tensor:
+def gate_up(bs: BlockSpec, n2: Tensor, w: Tensors, lora: Tensors) -> tuple[Tensor, Tensor]:
+    """MLP.gate_up: the gate and up projections (Phi-3: one linear, split gate | up)."""
+    if bs.fused:
+        gate, up = _linear(bs, "gate_up_proj", n2, w, lora).chunk(2, dim=-1)
+        return gate, up
+    return _linear(bs, "gate_proj", n2, w, lora), _linear(bs, "up_proj", n2, w, lora)
+
+
+def _mlp(bs: BlockSpec, n2: Tensor, w: Tensors, lora: Tensors, tape: Tensors | None) -> Tensor:
+    """MLP.forward: down(act(gate(n2))·up(n2)); gate and up go on the tape."""
+    gate, up = gate_up(bs, n2, w, lora)
+    if tape is not None:
+        tape["gate"], tape["up"] = gate, up
+    return _linear(bs, "down_proj", gated(bs, gate, up), w, lora)
+
+
+def gated(bs: BlockSpec, gate: Tensor, up: Tensor) -> Tensor:
+    return gated_act(gate, up, bs.act)
+
+
+def branch(bs: BlockSpec, t: Tensor) -> Tensor:
     """Block.branch: a residual branch as it is added (× Granite's residual_multiplier)."""
     return t if bs.residual is None else t * bs.residual
 
@@ -251,7 +270,7 @@ def block_forward(
         q, k = _qk_norm(bs, q, w, "self_attn.q_norm"), _qk_norm(bs, k, w, "self_attn.k_norm")
     if bs.rope:
         q, k = apply_rope(q, ctx["cos"], ctx["sin"]), apply_rope(k, ctx["cos"], ctx["sin"])
-    kw = _attn_kw(bs)
+    kw = attn_kw(bs)
     if tape is not None:
         o, tape["lse"] = attention_fwd(q, k, v, bs.attn_scale, mask, **kw)
         tape.update(q=q, k=k, v=v, o=o)
@@ -265,16 +284,10 @@ def block_forward(
         x2 = x + _norm(bs, a, w, "post_attention_layernorm")
         n2 = _norm(bs, x2, w, "pre_feedforward_layernorm") if bs.sandwich else x2
     else:
-        x2 = x + _branch(bs, a)
+        x2 = x + branch(bs, a)
         n2 = _norm(bs, x2, w, "post_attention_layernorm")
-    if bs.fused:  # MLP.gate_up
-        gate, up = _linear(bs, "gate_up_proj", n2, w, lora).chunk(2, dim=-1)
-    else:
-        gate, up = _linear(bs, "gate_proj", n2, w, lora), _linear(bs, "up_proj", n2, w, lora)
-    if tape is not None:
-        tape["gate"], tape["up"] = gate, up
-    d = _linear(bs, "down_proj", gated_act(gate, up, bs.act), w, lora)
-    y = x2 + _norm(bs, d, w, "post_feedforward_layernorm") if post else x2 + _branch(bs, d)
+    d = _mlp(bs, n2, w, lora, tape)
+    y = x2 + _norm(bs, d, w, "post_feedforward_layernorm") if post else x2 + branch(bs, d)
     if tape is not None:
         tape["x2"] = x2
         if not bs.post_norms:  # else n1 is x (an argument) and n2 is x2
@@ -282,106 +295,3 @@ def block_forward(
         if post:
             tape.update(a=a, d=d)
     return y
-
-
-# ---- the block backward: mesp.engines.mesp_block.block_backward with weights as arguments ----
-
-
-def _lin_bwd(
-    bs: BlockSpec, name: str, dy: Tensor, x: Tensor, w: Tensors, lora: Tensors, grads: Tensors
-) -> Tensor:
-    """dx of one linear; its adapter gradients (if any) go into `grads` (fresh zeros + addmm_,
-    exactly the engine's first accumulation into a None .grad)."""
-    ws = bs.lin(name)
-    src = base(w, ws)
-    if ws.lora_scale is None:
-        return (
-            src.matmul(dy) if isinstance(src, PackedKernel | TracedBlocks) else dy @ src(dy.dtype)
-        )
-    a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
-    ga, gb = torch.zeros_like(a), torch.zeros_like(b)
-    grads[f"{ws.prefix}.lora_A"], grads[f"{ws.prefix}.lora_B"] = ga, gb
-    dx = lora_linear_backward(dy, x, src, a, b, ws.lora_scale, ga, gb)
-    assert dx is not None
-    return dx
-
-
-def block_backward(
-    bs: BlockSpec, saved: Tensors, dy: Tensor, x: Tensor, w: Tensors, lora: Tensors, ctx: Tensors
-) -> tuple[Tensor, Tensors]:
-    """dy (B, S, hidden) at the block output -> (dx at its input, LoRA gradients)."""
-    saved, grads = dict(saved), {}
-    nb = lambda g, xx, name: rms_norm_backward(g, xx, w[f"{name}.weight"], bs.eps, bs.norm_offset)  # noqa: E731
-    post = bs.sandwich or bs.post_norms
-    dd = _branch(bs, nb(dy, saved.pop("d"), "post_feedforward_layernorm") if post else dy)
-    gate, up = saved.pop("gate"), saved.pop("up")
-    dm = _lin_bwd(bs, "down_proj", dd, gated_act(gate, up, bs.act), w, lora, grads)
-    del dd
-    dgate, dup = gated_act_backward(dm, gate, up, bs.act)
-    del dm, gate, up
-    n2 = saved["x2"] if bs.post_norms else saved.pop("n2")
-    if bs.fused:  # the split's backward: [dgate | dup] into the fused linear
-        dgu = torch.cat([dgate, dup], dim=-1)
-        del dgate, dup
-        dn2 = _lin_bwd(bs, "gate_up_proj", dgu, n2, w, lora, grads)
-        del dgu, n2
-    else:
-        dn2 = _lin_bwd(bs, "gate_proj", dgate, n2, w, lora, grads)
-        del dgate
-        dn2 += _lin_bwd(bs, "up_proj", dup, n2, w, lora, grads)
-        del dup, n2
-    x2 = saved.pop("x2")
-    if bs.post_norms:  # n2 = x2: no pre-MLP norm
-        dx2 = dy + dn2
-    else:
-        norm2 = "pre_feedforward_layernorm" if bs.sandwich else "post_attention_layernorm"
-        dx2 = dy + nb(dn2, x2, norm2)
-    del dn2, dy, x2
-
-    da = _branch(bs, nb(dx2, saved.pop("a"), "post_attention_layernorm") if post else dx2)
-    o = saved.pop("o")
-    b, h, s, d = o.shape
-    do = _lin_bwd(bs, "o_proj", da, o.transpose(1, 2).reshape(b, s, h * d), w, lora, grads)
-    del da
-    dq, dk, dv = attention_bwd(
-        do.view(b, s, h, d).transpose(1, 2),
-        saved.pop("q"),
-        saved.pop("k"),
-        saved.pop("v"),
-        o,
-        saved.pop("lse"),
-        bs.attn_scale,
-        ctx.get("mask"),
-        **_attn_kw(bs),
-    )
-    del do, o
-    if bs.rope:
-        dq = apply_rope_backward(dq, ctx["cos"], ctx["sin"])
-        dk = apply_rope_backward(dk, ctx["cos"], ctx["sin"])
-    if bs.qk_norm:
-        qkb = nb
-        if bs.qk_whole:  # mesp_block.norm_bwd of a HeadsRMSNorm
-            qkb = lambda g, xx, name: rms_norm_heads_backward(g, xx, w[f"{name}.weight"], bs.eps)  # noqa: E731
-        dq = qkb(dq, saved.pop("q_lin"), "self_attn.q_norm")
-        dk = qkb(dk, saved.pop("k_lin"), "self_attn.k_norm")
-    n1 = x if bs.post_norms else saved.pop("n1")
-
-    def flat(g: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, H·D)
-        return g.transpose(1, 2).reshape(b, s, -1)
-
-    if bs.fused:  # the split's backward: [dq | dk | dv] into the fused linear
-        dqkv = torch.cat([flat(dq), flat(dk), flat(dv)], dim=-1)
-        del dq, dk, dv
-        dn1 = _lin_bwd(bs, "qkv_proj", dqkv, n1, w, lora, grads)
-        del dqkv, n1
-    else:
-        dn1 = _lin_bwd(bs, "q_proj", flat(dq), n1, w, lora, grads)
-        del dq
-        dk_in = _lin_bwd(bs, "k_proj", flat(dk), n1, w, lora, grads)
-        del dk
-        dv_in = _lin_bwd(bs, "v_proj", flat(dv), n1, w, lora, grads)
-        del dv, n1
-        dn1 += dk_in
-        dn1 += dv_in
-        del dk_in, dv_in
-    return dx2.add_(dn1 if bs.post_norms else nb(dn1, x, "input_layernorm")), grads

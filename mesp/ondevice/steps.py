@@ -7,12 +7,12 @@ and plain names for activations (`ids`, `x`, `dy`, `h`, `rows`, `tgt`, `norm`) a
 state (`p`, `g`, `m`, `v`). `Flat` turns one into an nn.Module of positional tensors in a fixed,
 recorded order, which is all a native runner needs to drive it.
 
-The block programs are mesp.ondevice.programs' block_forward / block_backward (themselves the
-engine's ops, op for op) with two edge formulations switched on by the spec: the core-ATen
-unpack of packed codes and the exact query-tiled attention. The backward program recomputes the
-forward's saved tensors itself (recompute + hand backward in one graph: the planner frees each
-saved tensor at its last use, where two programs would hold all of them as one program's
-outputs).
+The block programs are mesp.ondevice.programs' block_forward and programs_backward's
+block_backward (the engine's ops, op for op) with two edge formulations switched on by the
+spec: the core-ATen unpack of packed codes and the exact query-tiled attention. The backward
+program recomputes the forward's saved tensors itself (recompute + hand backward in one graph:
+the planner frees each saved tensor at its last use, where two programs would hold all of them
+as one program's outputs).
 
 The optimizer updates replay torch.optim's single-tensor CPU kernels (torch 2.13) in fp32:
   SGD    p ← p + (−lr)·(g + wd·p)
@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from mesp.ondevice.contract import ADAMW_SCALARS, adamw_scalars
 from mesp.ondevice.edge_programs import EdgeSpec, embed, loss_finish, loss_slice, loss_start
-from mesp.ondevice.programs import BlockSpec, block_backward, block_forward
+from mesp.ondevice.programs import BlockSpec, block_forward
+from mesp.ondevice.programs_backward import block_backward
 
 Named = dict[str, Tensor]
 
