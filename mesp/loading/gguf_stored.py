@@ -3,7 +3,7 @@
 `mesp` keeps llama.cpp's codes as stored by default (gguf_codes.py): the model trained is the
 model llama.cpp runs. `--quantize 4|8` dequantizes and quantizes them again to MLX's group-64
 layout, a second rounding on top of llama.cpp's; `RequantizeCost` measures it on the file at
-hand and says so (SmolLM2-135M Q4_1: validation perplexity 48.8 -> 73.3, README).
+hand and says so (SmolLM2-135M Q4_1: perplexity on The Tempest 25.37 -> 32.69, docs/gguf.md).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class RequantizeCost:
     def warn(self) -> float:
         rel = (self.err / self.ref) ** 0.5 if self.ref else 0.0
         q = self.quant
-        seen = " (SmolLM2's Q4_1 at 4 bits: perplexity +50%, README)" if q.bits == 4 else ""
+        seen = " (SmolLM2's Q4_1 at 4 bits: perplexity +29%, docs/gguf.md)" if q.bits == 4 else ""
         log.warning(
             "--quantize %d requantizes this file's %s codes to %d-bit group %d: a second "
             "rounding, %.1f%% relative weight error against the file's own weights%s; leave "
