@@ -7,11 +7,20 @@ import argparse
 import logging
 import sys
 import warnings
+from typing import NoReturn
 
 from mesp.cli.args import add_dataclass_args, apply_config_defaults, apply_resume_defaults
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions
 from mesp.training import Interrupted
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags in one line (argparse prints the whole usage first): which command, what is
+    wrong, where the help is. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     from mesp.training.grad import GradOptions
     from mesp.training.run import RunOptions
 
-    p = argparse.ArgumentParser(prog="mesp", description=__doc__)
+    p = _Parser(prog="mesp", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def command(name: str, help_: str, *groups: type | tuple[type, tuple[str, ...]]) -> None:
@@ -134,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             train_parser = sub.choices["train"]  # type: ignore[attr-defined]
             apply_resume_defaults(train_parser, argv[1:])
             apply_config_defaults(train_parser, argv[1:])
-        ns = parser.parse_args(argv)
+        ns, extra = parser.parse_known_args(argv)
+        if extra:  # named by the (sub)command that does not take them
+            prog = " ".join(["mesp", ns.cmd, *([ns.bench] if getattr(ns, "bench", None) else [])])
+            parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} "
+                        f"(see {prog} --help)\n")  # fmt: skip
         ns.argv = argv
         if hasattr(ns, "run"):
             return int(ns.run(ns))
