@@ -38,7 +38,8 @@ def add_dataclass_args(
     parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()
 ) -> None:
     """One flag per field: `--field-name` (or metadata "flag"), dest = the field name, the
-    field's help with its default; metadata may also give "choices", "metavar", "required"."""
+    field's help with its default; metadata may also give "choices", "metavar", "required" and
+    "hidden" (accepted, not in --help)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
@@ -70,6 +71,8 @@ def add_dataclass_args(
             kw.update(type=tp, help=f"{help_}{shown}", choices=meta.get("choices"))
         if "metavar" in meta:
             kw["metavar"] = meta["metavar"]
+        if meta.get("hidden"):
+            kw["help"] = argparse.SUPPRESS
         group.add_argument(flag, **kw)
 
 

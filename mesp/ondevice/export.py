@@ -58,9 +58,9 @@ class ExportOptions:
         metadata={
             "help": "executorch (the one format): .pte programs for the native runner and the "
             "Python driver",
+            "hidden": True,  # one value; kept so that --target torch gets its one-line answer
         },
     )
-    pte: bool = field(default=False, metadata={"help": "same as --target executorch (default)"})
     attn_tile: int = field(
         default=64,
         metadata={"help": "ExecuTorch attention: query rows per tile (scores are tile × seq)"},
