@@ -102,3 +102,54 @@ def test_embedding_rows_unpack_exactly_on_the_runtime(bits: int, group: int) -> 
 
     (y,), _ = _run(fn, [packed_bytes(wq), sc, bi, ids])
     assert torch.equal(y, dequantize(wq, sc, bi, spec)[ids])
+
+
+_GUARD = r"""
+import ctypes, mmap, sys
+import torch
+from mesp.ondevice.kernels import load_kernels
+
+lib = ctypes.CDLL(str(load_kernels()))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+page = mmap.PAGESIZE
+f = ctypes.POINTER(ctypes.c_float)
+
+
+def at_guard(t):  # t's values ending exactly where an unreadable page begins
+    size = t.numel() * 4
+    span = (size + page - 1) // page * page
+    mm = mmap.mmap(-1, span + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    assert libc.mprotect(base + span, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    ctypes.memmove(base + span - size, t.data_ptr(), size)
+    keep.append(mm)
+    return ctypes.cast(base + span - size, f)
+
+
+keep = []
+for m, k, n in [(1, 8, 16), (5, 13, 7), (3, 1, 5), (7, 33, 64), (256, 896, 96)]:
+    g = torch.Generator().manual_seed(m * k * n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    y = torch.full((m, n), float("nan"))
+    rc = lib.mesp_fully_connected_f32(
+        at_guard(x), ctypes.c_size_t(m), ctypes.c_size_t(k), at_guard(w), ctypes.c_size_t(n),
+        ctypes.cast(y.data_ptr(), f),
+    )
+    ref = (x.double() @ w.double().T).float()
+    assert rc == 0 and torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * k**0.5), (m, k, n)
+print("ok")
+"""
+
+
+def test_inputs_ending_at_an_unreadable_page() -> None:
+    """XNNPACK may read up to 16 bytes past its input (XNN_EXTRA_BYTES); ExecuTorch tensors
+    promise no such slack, so the kernels run every row but the last in place and the last from
+    a padded copy. Here the input and the weights end exactly where a PROT_NONE page begins (a
+    read past either is a SIGSEGV of the child), over shapes with every remainder of K against
+    the SIMD widths, one row and many; the products are still right."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _GUARD], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 
@@ -115,18 +116,40 @@ void fill_cols(void* ctx, size_t i) {  // buf (N, c1 - c0): W[i, c0:c1]
   f->w->row(int64_t(i), f->c0, f->c1, f->buf + int64_t(i) * (f->c1 - f->c0));
 }
 
+// XNNPACK's kernels may read up to XNN_EXTRA_BYTES (16) past the last input value they use
+// (xnnpack.h: "the input ... must have XNN_EXTRA_BYTES of readable memory past the end"). The
+// inputs here are ExecuTorch tensors, which promise no such slack: a tensor may end where its
+// arena, or a mapping, does. So every row but the last is read in place (a row's over-read
+// lands in the row after it) and the last from `spare`, a copy with the slack (same values,
+// same operator, same sums).
+constexpr size_t kExtraBytes = 16;
+
+struct Spare {  // one input row, with XNNPACK's slack after it
+  std::unique_ptr<float, decltype(&std::free)> row{nullptr, &std::free};
+  explicit Spare(size_t floats)
+      : row(static_cast<float*>(std::aligned_alloc(64, (4 * floats + kExtraBytes + 63) / 64 * 64)),
+            &std::free) {}
+};
+
 // out[:, 0:out_ch] (row stride out_stride) = in (M, in_ch; row stride in_stride) · kernel
 bool fully_connected(const float* in, size_t m, size_t in_ch, size_t in_stride,
                      const float* kernel, size_t out_ch, uint32_t flags, float* out,
-                     size_t out_stride, ::pthreadpool* pool) {
+                     size_t out_stride, ::pthreadpool* pool, const Spare& spare) {
   xnn_operator_t op = nullptr;
   const float inf = std::numeric_limits<float>::infinity();
   if (xnn_create_fully_connected_nc_f32(in_ch, out_ch, in_stride, out_stride, kernel, nullptr,
                                         -inf, inf, flags, nullptr, &op) != 0)
     return false;
-  const bool ok = xnn_reshape_fully_connected_nc_f32(op, m, pool) == 0 &&
-                  xnn_setup_fully_connected_nc_f32(op, in, out) == 0 &&
-                  xnn_run_operator(op, pool) == 0;
+  bool ok = m < 2 || (xnn_reshape_fully_connected_nc_f32(op, m - 1, pool) == 0 &&
+                      xnn_setup_fully_connected_nc_f32(op, in, out) == 0 &&
+                      xnn_run_operator(op, pool) == 0);
+  if (ok && m > 0) {
+    std::memcpy(spare.row.get(), in + (m - 1) * in_stride, 4 * in_ch);
+    float* last = out + (m - 1) * out_stride;
+    ok = xnn_reshape_fully_connected_nc_f32(op, 1, pool) == 0 &&
+         xnn_setup_fully_connected_nc_f32(op, spare.row.get(), last) == 0 &&
+         xnn_run_operator(op, pool) == 0;
+  }
   xnn_delete_operator(op);
   return ok;
 }
@@ -167,7 +190,11 @@ bool checked(KernelRuntimeContext& ctx, bool linear, const Tensor& a, const Tens
   return true;
 }
 
-void* block_buffer(size_t bytes) { return std::aligned_alloc(64, (bytes + 63) / 64 * 64); }
+// a block of W, with XNNPACK's slack after it (the packing reads within the block; the slack
+// is for any kernel that reads its weights in place)
+void* block_buffer(size_t bytes) {
+  return std::aligned_alloc(64, (bytes + kExtraBytes + 63) / 64 * 64);
+}
 
 }  // namespace
 
@@ -185,13 +212,14 @@ Tensor& qlinear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq
   const int64_t step = std::max<int64_t>(1, int64_t(kBlockBytes / (4 * size_t(w.k))));
   std::unique_ptr<float, decltype(&std::free)> buf(
       static_cast<float*>(block_buffer(4 * size_t(std::min(step, w.n) * w.k))), &std::free);
+  const Spare spare(size_t(w.k));
   float* y = out.mutable_data_ptr<float>();
   for (int64_t r0 = 0; r0 < w.n && m > 0; r0 += step) {
     const int64_t rows = std::min(step, w.n - r0);
     Fill f{&w, buf.get(), r0, 0, w.k};
     pthreadpool_parallelize_1d(pool, fill_rows, &f, size_t(rows), 0);
     if (!fully_connected(x.const_data_ptr<float>(), m, size_t(w.k), size_t(w.k), buf.get(),
-                         size_t(rows), 0, y + r0, size_t(w.n), pool)) {
+                         size_t(rows), 0, y + r0, size_t(w.n), pool, spare)) {
       ET_LOG(Error, "mesp::qlinear: XNNPACK's fully-connected operator failed");
       ctx.fail(Error::Internal);
       return out;
@@ -213,13 +241,14 @@ Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& w
   const int64_t step = std::min(std::max(group, per), w.k);
   std::unique_ptr<float, decltype(&std::free)> buf(
       static_cast<float*>(block_buffer(4 * size_t(step * w.n))), &std::free);
+  const Spare spare(size_t(w.n));
   float* dx = out.mutable_data_ptr<float>();
   for (int64_t c0 = 0; c0 < w.k && m > 0; c0 += step) {
     const int64_t cols = std::min(step, w.k - c0);
     Fill f{&w, buf.get(), 0, c0, c0 + cols};
     pthreadpool_parallelize_1d(pool, fill_cols, &f, size_t(w.n), 0);
     if (!fully_connected(dy.const_data_ptr<float>(), m, size_t(w.n), size_t(w.n), buf.get(),
-                         size_t(cols), kTransposeWeights, dx + c0, size_t(w.k), pool)) {
+                         size_t(cols), kTransposeWeights, dx + c0, size_t(w.k), pool, spare)) {
       ET_LOG(Error, "mesp::qmatmul: XNNPACK's fully-connected operator failed");
       ctx.fail(Error::Internal);
       return out;
@@ -229,6 +258,16 @@ Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& w
 }
 
 }  // namespace mesp_kernels
+
+// The product on raw buffers, exactly as the kernels run each block of W: for the guard-page
+// test of the slack (tests/test_qmatmul_kernel.py). out (m, n) = in (m, k) · kernel (n, k)ᵀ.
+extern "C" int mesp_fully_connected_f32(const float* in, size_t m, size_t k, const float* kernel,
+                                        size_t n, float* out) {
+  xnn_initialize(nullptr);
+  const Spare spare(k);
+  auto* pool = executorch::extension::threadpool::get_pthreadpool();
+  return fully_connected(in, m, k, k, kernel, n, 0, out, n, pool, spare) ? 0 : 1;
+}
 
 EXECUTORCH_LIBRARY(mesp, "qlinear.out", mesp_kernels::qlinear_out);
 EXECUTORCH_LIBRARY(mesp, "qmatmul.out", mesp_kernels::qmatmul_out);
