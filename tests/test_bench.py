@@ -230,3 +230,35 @@ def test_ondevice_section_shows_the_outside_poll_and_flags_a_dishonest_peak() ->
     assert "| 100.0 | 136.2 (!) | 1.00x |" in text
     assert "| 100.0 | not polled | 0.73x |" in text
     assert "outside 5 ms poll 101.0 MB" in line(row(100e6, 101e6))
+
+
+def test_ondevice_paper_table_puts_each_cell_beside_the_papers() -> None:
+    """The paper's size / sequence / rank cells, each beside the newest plain random-weight row
+    of the same shape, seq and rank (honest peak, ratio to the paper's); a real-model or
+    block-inputs-on-disk row is not a cell; a cell without a row says 'not run'."""
+    from mesp.bench.ondevice_report import PAPER, paper_table
+
+    def row(shape: str, seq: int, rank: int, mb: float, **extra: object) -> dict:
+        return {
+            "table": "ondevice",
+            "status": "ok",
+            "config": {"shape": shape, "seq": seq, "bits": 4, "rank": rank, **extra},
+            "native": {"median_s": 6.0, "peak_anon_bytes": mb * 1e6, "peak_rss_bytes": 1.0},
+            "engine": {"median_s": 4.0, "peak_rss_bytes": 1.0},
+            "cpu": "x",
+        }
+
+    rows = [
+        row("qwen2.5-1.5b", 256, 8, 300.0),
+        row("qwen2.5-1.5b", 256, 8, 200.0),  # newer: this one counts
+        row("qwen2.5-0.5b", 512, 8, 10.0, checkpoints_on_disk=True),
+        row("qwen2.5-0.5b", 256, 32, 150.0, model="qwen2.5-coder-0.5b"),
+        row("qwen2.5-0.5b", 256, 4, 120.0),
+    ]
+    text = "\n".join(paper_table(rows))
+    assert "| qwen2.5-1.5b | 256 | 8 | 262.6 | 200.0 | 0.76x | 1.50 | x |" in text
+    assert "| qwen2.5-0.5b | 256 | 4 | 132.8 | 120.0 | 0.90x | 1.50 | x |" in text
+    assert "| qwen2.5-0.5b | 512 | 8 | 245.8 | not run |" in text
+    assert "| qwen2.5-0.5b | 256 | 32 | 158.2 | not run |" in text
+    assert text.count("\n| qwen2.5") == len(PAPER)
+    assert paper_table([row("qwen2.5-7b", 256, 8, 1.0)]) == []

@@ -6,6 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 PAPER_MB = 136.2  # MeSP on an iPhone 17 Pro, bf16 LoRA, seq 256 (arXiv 2602.13069)
+# the paper's MeSP figures (MB), by (Qwen2.5 shape, seq, rank): its size, sequence and rank tables
+PAPER: dict[tuple[str, int, int], float] = {
+    ("qwen2.5-0.5b", 256, 8): 136.2,
+    ("qwen2.5-1.5b", 256, 8): 262.6,
+    ("qwen2.5-3b", 256, 8): 368.4,
+    ("qwen2.5-0.5b", 128, 8): 110.7,
+    ("qwen2.5-0.5b", 512, 8): 245.8,
+    ("qwen2.5-0.5b", 1024, 8): 513.6,
+    ("qwen2.5-0.5b", 256, 4): 132.8,
+    ("qwen2.5-0.5b", 256, 16): 143.5,
+    ("qwen2.5-0.5b", 256, 32): 158.2,
+}
 
 
 def line(r: dict[str, Any]) -> str:
@@ -91,6 +103,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"Planned memory per program (MB), {label(r['config'])}: {planned}.")
         if seen:
             lines.append(f"Runner RssAnon (MiB) at each point of step 1: {', '.join(seen)}.")
+    lines += paper_table(ok)
     lines += [
         "Targets (issue 37): peak anon ≤ 100 MB polled from outside with the default export "
         f"(the paper: {PAPER_MB} MB), native step ≤ 1.0× the engine's (both measured in one run, "
@@ -98,6 +111,40 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         "",
     ]
     return lines
+
+
+def paper_table(ok: list[dict[str, Any]]) -> list[str]:
+    """The paper's size / sequence / rank cells beside the runner's on the same configuration
+    (random 4-bit weights at the Qwen2.5 shapes, default export; the newest row of each)."""
+    mine: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for r in ok:
+        c = r["config"]
+        plain = not (c.get("model") or c.get("weight_block_kb") or c.get("checkpoints_on_disk"))
+        key = (c["shape"], c["seq"], c.get("rank", 8))
+        if plain and key in PAPER:
+            mine[key] = r
+    if not mine:
+        return []
+    lines = [
+        "The paper's MeSP table (iPhone 17 Pro, bf16, phys_footprint every 0.5 s) beside the "
+        "runner (fp32, 4-bit random weights at the same shapes, outside 5 ms poll):",
+        "",
+        "| Qwen2.5 | seq | rank | paper MB | runner peak anon MB | runner / paper "
+        "| native / engine | CPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, paper in PAPER.items():
+        if key not in mine:
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {paper} | not run | | | |")
+            continue
+        r = mine[key]
+        n, e = r["native"], r["engine"]
+        anon = max(n["peak_anon_bytes"], n.get("polled_peak_anon_bytes") or 0) / 1e6
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {paper} | {honest(n)} | {anon / paper:.2f}x | "
+            f"{n['median_s'] / e['median_s']:.2f} | {r.get('cpu', 'not recorded')} |"
+        )
+    return [*lines, ""]
 
 
 def label(c: dict[str, Any]) -> str:
