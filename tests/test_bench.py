@@ -145,7 +145,7 @@ def test_bench_dropin_rows_and_report(tmp_path: Path, monkeypatch: pytest.Monkey
     assert set(rows) == {"unpatched", "unpatched+gc", "patched", "patched+gc"} and len(files) == 4
     for name, r in rows.items():
         assert r["status"] == "ok" and r["table"] == "dropin", (name, r.get("reason"))
-        assert r["command"].startswith("mesp bench dropin --shapes tiny-qwen2 --seq 32")
+        assert r["command"].startswith("mesp bench dropin --quick --shapes tiny-qwen2 --seq 32")
         e = r["exact"]
         assert e["total"] == e["weights"] + e["adapter"] + e["working"] and e["working"] > 0
         assert r["patched_modules"] == (2 * 8 if r["config"]["patched"] else 0)
