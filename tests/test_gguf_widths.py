@@ -100,6 +100,7 @@ def test_export_trains_on_executorch_like_the_engine(tmp_path: Path, mix: str) -
     pytest.importorskip("executorch")
     from mesp.ondevice import et_driver, runner
     from mesp.ondevice.export import ExportOptions, export_model
+    from mesp.ops.gated_kernel import GATED_OPS
     from mesp.ops.qmatmul import KERNEL_OPS
 
     path = _gguf(tmp_path, mix)
@@ -108,7 +109,8 @@ def test_export_trains_on_executorch_like_the_engine(tmp_path: Path, mix: str) -
     try:
         opts = ExportOptions(S, B, 8192, target="executorch", attn_tile=4)
         conf = export_model(_with_adapter(path, True), tmp_path / "art", opts)
-        assert conf["executorch"]["kernels"] == list(KERNEL_OPS)  # 5/6/8-bit blocks take them
+        # 5/6/8-bit blocks take the packed products, and every block the gated activation's
+        assert conf["executorch"]["kernels"] == [*KERNEL_OPS, *GATED_OPS]
         assert len({b["fn"] for b in conf["blocks"]}) == 2
         rows = _rows()
         _, losses = et_driver.train(runner.Artifacts(tmp_path / "art"), rows,

@@ -60,7 +60,7 @@ class Programs:
                 f"{ET_VERSION}: export again with this mesp"
             )
         self.rows: dict[str, Any] = et["programs"]
-        if et.get("kernels"):  # mesp::qlinear / qmatmul: registered before any program loads
+        if et.get("kernels"):  # mesp::qlinear, qmatmul, gated_act*: registered before any load
             try:
                 load_kernels()
             except KernelError as e:

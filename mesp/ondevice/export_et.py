@@ -41,6 +41,7 @@ from mesp.ondevice.steps import (
     loss_start_step,
     sgd_step,
 )
+from mesp.ops.gated_kernel import GATED_OPS
 from mesp.ops.qmatmul import KERNEL_BITS, KERNEL_OPS
 from mesp.quant import packed_bytes
 
@@ -65,7 +66,7 @@ def edge_block_spec(
         return replace(ws, core_aten=True, block_bytes=bb, kernel=own)
 
     lins = tuple((n, edge(ws)) for n, ws in bs.linears)
-    return replace(bs, linears=lins, attn_tile=tile)
+    return replace(bs, linears=lins, attn_tile=tile, act_kernel=kernel and not block_bytes)
 
 
 def edge_spec(es: EdgeSpec, kernel: bool = False) -> EdgeSpec:
@@ -186,7 +187,7 @@ def export_executorch(
         w = edge_weights(w)
         max_lora = max([max_lora, *(t.numel() for t in lora.values())])
         ebs = edge_block_spec(bs, attn_tile, weight_block_bytes, kernel)
-        used = used or any(ws.kernel for _, ws in ebs.linears)
+        used = used or ebs.act_kernel or any(ws.kernel for _, ws in ebs.linears)
         named = {
             **{f"weights/{k}": v for k, v in w.items()},
             **{f"lora/{k}": v for k, v in lora.items()},
@@ -226,7 +227,7 @@ def export_executorch(
         "backend": "xnnpack" if delegate else "portable",
         "attn_tile": attn_tile,
         "weight_block_bytes": weight_block_bytes,
-        "kernels": list(KERNEL_OPS) if used else [],
+        "kernels": [*KERNEL_OPS, *GATED_OPS] if used else [],
         "loss": loss,
         "programs": progs.rows,
         "planned_bytes_max": max(sum(r["planned_bytes"]) for r in progs.rows.values()),

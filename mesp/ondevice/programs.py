@@ -133,6 +133,9 @@ class BlockSpec:
     qk_whole: bool = False  # OLMo 2: q/k norms over the whole projection (rms_norm_heads)
     softcap: float | None = None  # Gemma 2: attention scores cap·tanh(s/cap), chunked path only
     fused: bool = False  # Phi-3: one qkv_proj (q | k | v), one gate_up_proj (gate | up)
+    # the gated activation and its backward as mesp's kernel ops (mesp.ops.gated_kernel: one
+    # pass each, no (tokens × intermediate) temporaries; fp32); else written out in ATen ops
+    act_kernel: bool = False
 
     def lin(self, name: str) -> WeightSpec:
         return dict(self.linears)[name]
@@ -245,6 +248,11 @@ def _mlp(bs: BlockSpec, n2: Tensor, w: Tensors, lora: Tensors, tape: Tensors | N
 
 
 def gated(bs: BlockSpec, gate: Tensor, up: Tensor) -> Tensor:
+    """MLP.inner: act(gate) · up."""
+    if bs.act_kernel and gate.dtype == torch.float32:
+        from mesp.ops import gated_kernel
+
+        return gated_kernel.gated(gate, up, bs.act)
     return gated_act(gate, up, bs.act)
 
 

@@ -57,7 +57,12 @@ def _mlp_backward(
     """mesp_block._mlp_piece: dd at the MLP's output -> dn2 at its input; the LoRA gradients
     go into `grads`."""
     dm = _lin_bwd(bs, "down_proj", dd, gated(bs, gate, up), w, lora, grads)
-    dgate, dup = gated_act_backward(dm, gate, up, bs.act)
+    if bs.act_kernel and gate.dtype == torch.float32:
+        from mesp.ops import gated_kernel
+
+        dgate, dup = gated_kernel.gated_backward(dm, gate, up, bs.act)
+    else:
+        dgate, dup = gated_act_backward(dm, gate, up, bs.act)
     del dm, gate, up
     if bs.fused:  # the split's backward: [dgate | dup] into the fused linear
         dgu = torch.cat([dgate, dup], dim=-1)
