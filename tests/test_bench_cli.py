@@ -54,6 +54,7 @@ def test_another_benchmarks_flag_is_one_line(capsys: pytest.CaptureFixture[str])
         ["table2", "--shapes", "qwen2.5-0.5b", "--seq", "512", "--dtype", "float32"],
         ["speed", "--engines", "mesp,peft-gc", "--steps", "5", "--matmul", "fp32"],
         ["ladder", "--rungs", "lora,stream", "--fraction", "0.5", "--device", "cpu"],
+        ["dequant", "--warmup", "0", "--steps", "2"],
     ],
 )
 def test_canonical_command_parses_back_to_the_same_flags(argv: list[str]) -> None:

@@ -116,7 +116,8 @@ def canonical(ns: argparse.Namespace) -> str:
     parts = ["mesp", "bench", ns.bench]
     for name in ns.bench_flags:
         value, default = getattr(ns, name), FLAGS[name].get("default")
-        if name in _NOT_IN_COMMAND or value in (None, False, ()):
+        # `is`, not `in`: 0 == False, and --warmup 0 must stay in the command
+        if name in _NOT_IN_COMMAND or value is None or value is False or value == ():
             continue
         if value == default and name != "out":
             continue
