@@ -127,14 +127,17 @@ void fill_cols(void* ctx, size_t i) {  // buf (N, c1 - c0): W[i, c0:c1]
 // same operator, same sums).
 constexpr size_t kExtraBytes = 16;
 
-struct Spare {  // one input row, with XNNPACK's slack after it
+struct Spare {  // the input's last row (m rows of `floats`), copied once, with the slack after it
   std::unique_ptr<float, decltype(&std::free)> row{nullptr, &std::free};
-  explicit Spare(size_t floats)
+  Spare(const float* in, size_t m, size_t floats)
       : row(static_cast<float*>(std::aligned_alloc(64, (4 * floats + kExtraBytes + 63) / 64 * 64)),
-            &std::free) {}
+            &std::free) {
+    if (m > 0) std::memcpy(row.get(), in + (m - 1) * floats, 4 * floats);
+  }
 };
 
-// out[:, 0:out_ch] (row stride out_stride) = in (M, in_ch; row stride in_stride) · kernel
+// out[:, 0:out_ch] (row stride out_stride) = in (M, in_ch; row stride in_stride) · kernel, the
+// last row of in read from `spare` (the same values: every block of W reads the same rows)
 bool fully_connected(const float* in, size_t m, size_t in_ch, size_t in_stride,
                      const float* kernel, size_t out_ch, uint32_t flags, float* out,
                      size_t out_stride, ::pthreadpool* pool, const Spare& spare) {
@@ -147,7 +150,6 @@ bool fully_connected(const float* in, size_t m, size_t in_ch, size_t in_stride,
                       xnn_setup_fully_connected_nc_f32(op, in, out) == 0 &&
                       xnn_run_operator(op, pool) == 0);
   if (ok && m > 0) {
-    std::memcpy(spare.row.get(), in + (m - 1) * in_stride, 4 * in_ch);
     float* last = out + (m - 1) * out_stride;
     ok = xnn_reshape_fully_connected_nc_f32(op, 1, pool) == 0 &&
          xnn_setup_fully_connected_nc_f32(op, spare.row.get(), last) == 0 &&
@@ -215,7 +217,7 @@ Tensor& qlinear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq
   const int64_t step = std::max<int64_t>(1, int64_t(kBlockBytes / (4 * size_t(w.k))));
   std::unique_ptr<float, decltype(&std::free)> buf(
       static_cast<float*>(block_buffer(4 * size_t(std::min(step, w.n) * w.k))), &std::free);
-  const Spare spare(size_t(w.k));
+  const Spare spare(x.const_data_ptr<float>(), m, size_t(w.k));
   float* y = out.mutable_data_ptr<float>();
   for (int64_t r0 = 0; r0 < w.n && m > 0; r0 += step) {
     const int64_t rows = std::min(step, w.n - r0);
@@ -244,7 +246,7 @@ Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& w
   const int64_t step = std::min(std::max(group, per), w.k);
   std::unique_ptr<float, decltype(&std::free)> buf(
       static_cast<float*>(block_buffer(4 * size_t(step * w.n))), &std::free);
-  const Spare spare(size_t(w.n));
+  const Spare spare(dy.const_data_ptr<float>(), m, size_t(w.n));
   float* dx = out.mutable_data_ptr<float>();
   for (int64_t c0 = 0; c0 < w.k && m > 0; c0 += step) {
     const int64_t cols = std::min(step, w.k - c0);
@@ -267,7 +269,7 @@ Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& w
 extern "C" int mesp_fully_connected_f32(const float* in, size_t m, size_t k, const float* kernel,
                                         size_t n, float* out) {
   xnn_initialize(nullptr);
-  const Spare spare(k);
+  const Spare spare(in, m, k);
   auto* pool = executorch::extension::threadpool::get_pthreadpool();
   return fully_connected(in, m, k, k, kernel, n, 0, out, n, pool, spare) ? 0 : 1;
 }
