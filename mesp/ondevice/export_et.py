@@ -66,7 +66,7 @@ def edge_block_spec(
         return replace(ws, core_aten=True, block_bytes=bb, kernel=own)
 
     lins = tuple((n, edge(ws)) for n, ws in bs.linears)
-    return replace(bs, linears=lins, attn_tile=tile, act_kernel=kernel and not block_bytes)
+    return replace(bs, linears=lins, attn_tile=tile, act_kernel=kernel)
 
 
 def edge_spec(es: EdgeSpec, kernel: bool = False) -> EdgeSpec:

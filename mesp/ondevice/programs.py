@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mesp.models.transformer import LORA_TARGETS, Block, CausalLM
+from mesp.ops import gated_kernel
 from mesp.ops.attention import attention, attention_fwd
 from mesp.ops.matmul import TracedBlocks, add_product
 from mesp.ops.mlp import gated_act
@@ -247,11 +248,13 @@ def _mlp(bs: BlockSpec, n2: Tensor, w: Tensors, lora: Tensors, tape: Tensors | N
     return _linear(bs, "down_proj", gated(bs, gate, up), w, lora)
 
 
+def act_kernel(bs: BlockSpec, gate: Tensor) -> bool:  # the kernels take fp32
+    return bs.act_kernel and gate.dtype == torch.float32
+
+
 def gated(bs: BlockSpec, gate: Tensor, up: Tensor) -> Tensor:
     """MLP.inner: act(gate) · up."""
-    if bs.act_kernel and gate.dtype == torch.float32:
-        from mesp.ops import gated_kernel
-
+    if act_kernel(bs, gate):
         return gated_kernel.gated(gate, up, bs.act)
     return gated_act(gate, up, bs.act)
 

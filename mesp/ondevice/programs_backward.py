@@ -11,11 +11,13 @@ from torch import Tensor
 from mesp.ondevice.programs import (
     BlockSpec,
     Tensors,
+    act_kernel,
     attn_kw,
     base,
     branch,
     gated,
 )
+from mesp.ops import gated_kernel
 from mesp.ops.attention import attention_bwd
 from mesp.ops.lora_linear import lora_linear_backward
 from mesp.ops.matmul import TracedBlocks
@@ -57,9 +59,7 @@ def _mlp_backward(
     """mesp_block._mlp_piece: dd at the MLP's output -> dn2 at its input; the LoRA gradients
     go into `grads`."""
     dm = _lin_bwd(bs, "down_proj", dd, gated(bs, gate, up), w, lora, grads)
-    if bs.act_kernel and gate.dtype == torch.float32:
-        from mesp.ops import gated_kernel
-
+    if act_kernel(bs, gate):
         dgate, dup = gated_kernel.gated_backward(dm, gate, up, bs.act)
     else:
         dgate, dup = gated_act_backward(dm, gate, up, bs.act)
