@@ -159,14 +159,11 @@ def hf_config(meta: dict[str, Any], infos: dict[str, Any], arch: str, where: str
     if arch == "gemma3":
         n = cfg["num_hidden_layers"]
         pattern = get("attention.sliding_window_pattern", 6)  # llama.cpp's built-in default
-        sliding = (
-            [bool(x) for x in pattern]
-            if isinstance(pattern, list)
-            else [
-                (i + 1) % positive("attention.sliding_window_pattern", pattern) != 0
-                for i in range(n)
-            ]
-        )
+        if isinstance(pattern, list):
+            sliding = [bool(x) for x in pattern]
+        else:
+            every = positive("attention.sliding_window_pattern", pattern)
+            sliding = [(i + 1) % every != 0 for i in range(n)]
         # llama.cpp: attention scale is 1/sqrt(hidden/heads) for 27B (62 layers), else head_dim.
         scale = get("attention.scale", None)
         del cfg["hidden_act"]
