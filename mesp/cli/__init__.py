@@ -20,7 +20,11 @@ class _Parser(argparse.ArgumentParser):
     wrong, where the help is. Subcommands' parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, _refusal(self.prog, message))
+
+
+def _refusal(prog: str, message: str) -> str:
+    return f"{prog}: error: {message} (see {prog} --help)\n"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         ns, extra = parser.parse_known_args(argv)
         if extra:  # named by the (sub)command that does not take them
             prog = " ".join(["mesp", ns.cmd, *([ns.bench] if getattr(ns, "bench", None) else [])])
-            parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} "
-                        f"(see {prog} --help)\n")  # fmt: skip
+            parser.exit(2, _refusal(prog, f"unrecognized arguments: {' '.join(extra)}"))
         ns.argv = argv
         if hasattr(ns, "run"):
             return int(ns.run(ns))
