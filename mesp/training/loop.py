@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,8 @@ from mesp.training.distributed import DataParallel
 from mesp.training.evaluate import evaluate
 from mesp.training.plot import plot_losses
 from mesp.training.schedule import lr_factor, make_optimizer
+from mesp.training.signals import Interrupted, SignalFlag, progress_bar
 from mesp.training.tensorboard import TensorBoardLog
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived: the step finished, state and adapter were saved."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def train(
@@ -88,9 +80,9 @@ def train(
         best.clear_stale(out_dir)
     # a resumed run continues its log; a fresh run into an old directory starts a new one
     log_f = (out_dir / "log.jsonl").open("a" if resume is not None else "w") if main else None
-    bar = _progress(cfg, st.step) if main else None
+    bar = progress_bar(cfg, st.step) if main else None
     t_start = time.perf_counter()
-    stop = _SignalFlag()
+    stop = SignalFlag()
     weights = sum(t.numel() * t.element_size() for t in model.buffers())
     base_rss = current_rss_bytes() - weights
     if max_memory is not None:
@@ -273,35 +265,3 @@ def train(
     return TrainResult(
         st.step, st.losses, st.valid, out_dir, peak_rss_bytes(), time.perf_counter() - t_start
     )
-
-
-class _SignalFlag:
-    """While active, SIGINT/SIGTERM only set a flag: the loop finishes the step and saves.
-    A second signal interrupts at once."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __enter__(self) -> _SignalFlag:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
-def _progress(cfg: TrainConfig, done: int):  # type: ignore[no-untyped-def]
-    if not cfg.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
