@@ -10,6 +10,7 @@ from mesp.models.transformer import CausalLM
 
 class BPEngine:
     name = "bp"
+    clipper = None  # DP-SGD (private.py): bp clips once its whole backward is done
 
     def __init__(self, loss: LossSpec | None = None) -> None:
         self.loss = loss or LossSpec()

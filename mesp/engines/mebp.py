@@ -17,6 +17,7 @@ from mesp.models.transformer import CausalLM
 
 class MeBPEngine:
     name = "mebp"
+    clipper = None  # DP-SGD (private.py): told when each block's gradients are complete
 
     def __init__(
         self,
@@ -57,4 +58,6 @@ class MeBPEngine:
             y.backward(g)
             g = x.grad
             del x, y
+            if self.clipper is not None:
+                self.clipper.block_done()
         return loss_value(loss)

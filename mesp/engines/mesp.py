@@ -33,6 +33,7 @@ from mesp.ops.cross_entropy import chunked_ce_loss_and_grad
 
 class MeSPEngine:
     name = "mesp"
+    clipper = None  # DP-SGD (private.py): told when each block's gradients are complete
 
     def __init__(
         self,
@@ -124,6 +125,8 @@ class MeSPEngine:
                 model.layers[i], x, ctx, g, i > 0, self.store_h, tape=tapes.pop(i, None)
             )
             del x
+            if self.clipper is not None:
+                self.clipper.block_done()
             if ws is not None:
                 ws.unpin(i)
         return loss_value(loss)

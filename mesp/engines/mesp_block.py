@@ -33,11 +33,19 @@ def norm_bwd(dy: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
 
 
 def _lin_bwd(
-    mod: Linear, dy: Tensor, x: Tensor, need_dx: bool = True, h: Tensor | None = None
+    mod: Linear,
+    dy: Tensor,
+    x: Tensor,
+    need_dx: bool = True,
+    h: Tensor | None = None,
+    start: int = 0,
 ) -> Tensor | None:
-    """dx of one linear (LoRA or plain frozen); adapter gradients accumulate in place."""
+    """dx of one linear (LoRA or plain frozen); adapter gradients accumulate in place (DP-SGD:
+    per example, in the clipper; `start`: the first token's row when x is a tile of tokens)."""
     if mod.lora_A is None or mod.lora_B is None:
         return mod.matmul(dy) if need_dx else None
+    if mod.per_example is not None:
+        return mod.per_example.backward(mod, dy, x, need_dx, h, start)  # type: ignore[no-any-return]
     gA, gB = _grad(mod.lora_A), _grad(mod.lora_B)
     return lora_linear_backward(
         dy, x, mod, mod.lora_A, mod.lora_B, mod.lora_scale, gA, gB, need_dx, h
@@ -69,20 +77,29 @@ def _store_h(block: Block, tape: Tape) -> dict[str, Tensor]:
 
 
 def _mlp_piece(
-    mlp: MLP, dd: Tensor, n2: Tensor, gate: Tensor, up: Tensor, hs: dict[str, Tensor]
+    mlp: MLP,
+    dd: Tensor,
+    n2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    hs: dict[str, Tensor],
+    start: int = 0,
 ) -> Tensor:
     """dn2 for tokens whose MLP input n2, gate/up and output gradient dd are given (all of a
-    block's tokens, or one tile); hs: stored h per projection for these tokens, if any."""
-    dm = _lin_bwd(mlp.down_proj, dd, gated_act(gate, up, mlp.act), h=hs.get("down_proj"))
+    block's tokens, or one tile whose first token is row `start` of the flattened batch); hs:
+    stored h per projection for these tokens, if any."""
+    act = gated_act(gate, up, mlp.act)
+    dm = _lin_bwd(mlp.down_proj, dd, act, h=hs.get("down_proj"), start=start)
+    del act
     dgate, dup = gated_act_backward(dm, gate, up, mlp.act)
     del dm, gate, up
     if mlp.fused:  # the split's backward: [dgate | dup] is the fused output's gradient
         dgu = torch.cat([dgate, dup], dim=-1)
         del dgate, dup
-        return _lin_bwd(mlp.gate_up_proj, dgu, n2, h=hs.get("gate_up_proj"))
-    dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"))
+        return _lin_bwd(mlp.gate_up_proj, dgu, n2, h=hs.get("gate_up_proj"), start=start)
+    dn2 = _lin_bwd(mlp.gate_proj, dgate, n2, h=hs.get("gate_proj"), start=start)
     del dgate
-    dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"))
+    dn2 += _lin_bwd(mlp.up_proj, dup, n2, h=hs.get("up_proj"), start=start)
     return dn2
 
 
@@ -105,7 +122,7 @@ def _mlp_backward(mlp: MLP, dd: Tensor, tape: Tape, hs: dict[str, Tensor]) -> Te
     for sl in mlp.tiles(n2.shape[0]):
         t = n2[sl]
         tile_h = {k: v[sl] for k, v in mlp_h.items()}
-        dn2[sl] = _mlp_piece(mlp, dd[sl], t, *mlp.gate_up(t), tile_h)
+        dn2[sl] = _mlp_piece(mlp, dd[sl], t, *mlp.gate_up(t), tile_h, sl.start)
     return dn2.view(shape)
 
 

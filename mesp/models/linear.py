@@ -11,6 +11,7 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -243,6 +244,9 @@ class Linear(FrozenWeight):
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
         self.lora_scale = 0.0
+        # DP-SGD: the step's per-example clipper (engines/clipping.py) while one is attached;
+        # under autograd the linear then runs through it, and mesp's hand backward asks it
+        self.per_example: Any = None
 
     def add_lora(
         self, rank: int, scale: float, dtype: torch.dtype, generator: torch.Generator | None = None
@@ -263,6 +267,8 @@ class Linear(FrozenWeight):
         return 0 if self.lora_A is None else self.lora_A.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.per_example is not None and self.lora_A is not None and torch.is_grad_enabled():
+            return self.per_example.forward(self, x)  # type: ignore[no-any-return]
         y = frozen_matmul(x, self)
         if self.bias is not None:
             y = y + self.bias

@@ -83,19 +83,61 @@ def lora_linear_backward(
     Shapes: dy (..., out), x (..., in), h (..., r) | None, gA_acc (r, in), gB_acc (out, r);
     batch/sequence dims are flattened into the matmul so one addmm_ sums over all tokens.
     Gradients are accumulated in gA_acc/gB_acc's (common) dtype; dx comes back in x.dtype."""
-    n_out, n_in, r = B.shape[0], A.shape[1], A.shape[0]
     gd = gA_acc.dtype
     if gB_acc.dtype != gd:
         raise ValueError(f"gA_acc is {gd} but gB_acc is {gB_acc.dtype}; use one dtype")
-    dy2, x2 = dy.reshape(-1, n_out), x.reshape(-1, n_in)
-    dy_g, x_g, B_g = dy2.to(gd), x2.to(gd), B.to(gd)
-    h2 = matmul(x_g, A.to(gd).t()) if h is None else h.reshape(-1, r).to(gd)  # (N, r)
+    dy_g, x_g, h2, gh = _lora_terms(dy, x, A, B, s, gd, h)
     addmm_(gB_acc, dy_g.t(), h2, alpha=s)  # (out, N)(N, r)
-    gh = matmul(dy_g, B_g).mul_(s)  # (N, r)
     addmm_(gA_acc, gh.t(), x_g)  # (r, N)(N, in)
-    if not need_dx:
-        return None
+    return _lora_dx(dy, x, base, A, gh) if need_dx else None
+
+
+def _lora_terms(
+    dy: Tensor, x: Tensor, A: Tensor, B: Tensor, s: float, gd: torch.dtype, h: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Tokens flattened, in the gradients' dtype gd: dy (N, out), x (N, in), h = x Aᵀ (N, r)
+    (recomputed unless given) and gh = s·dy B (N, r)."""
+    n_out, n_in, r = B.shape[0], A.shape[1], A.shape[0]
+    dy_g, x_g = dy.reshape(-1, n_out).to(gd), x.reshape(-1, n_in).to(gd)
+    h2 = matmul(x_g, A.to(gd).t()) if h is None else h.reshape(-1, r).to(gd)  # (N, r)
+    return dy_g, x_g, h2, matmul(dy_g, B.to(gd)).mul_(s)
+
+
+def _lora_dx(dy: Tensor, x: Tensor, base: WeightSource, A: Tensor, gh: Tensor) -> Tensor:
+    """dx = dy W + gh A, in x.dtype (W dropped after its one product)."""
     cd = x.dtype
-    dx = base_matmul(dy2.to(cd), base)  # (N, out)(out, in); W dropped after
+    dx = base_matmul(dy.reshape(-1, dy.shape[-1]).to(cd), base)  # (N, out)(out, in)
     addmm_(dx, gh.to(cd), A.to(cd))  # (N, r)(r, in)
     return dx.view(x.shape)
+
+
+def lora_example_backward(
+    dy: Tensor,
+    x: Tensor,
+    base: WeightSource,
+    A: Tensor,
+    B: Tensor,
+    s: float,
+    seq: int,
+    start: int = 0,
+    need_dx: bool = True,
+    h: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+    """lora_linear_backward with each example's adapter gradients kept apart (DP-SGD clips them
+    one by one): (dx | None, ids (k,), gA (k, r, in), gB (k, out, r)) in fp32, where the tokens
+    of dy/x, flattened, are the rows start … start+N-1 of a batch whose examples are `seq`
+    tokens each (a tiled pass hands a slice of them), and ids are the examples they touch.
+    Example e's gradients are the same sums over its own tokens t only:
+        gB_e = s·Σ_t dy_tᵀ h_t,   gA_e = Σ_t gh_tᵀ x_t,   gh = s·dy B."""
+    dy_g, x_g, h2, gh = _lora_terms(dy, x, A, B, s, torch.float32, h)
+    n = dy_g.shape[0]
+    first, last = start // seq, (start + n - 1) // seq
+    ids = torch.arange(first, last + 1)
+    gA = torch.empty(len(ids), *A.shape, dtype=torch.float32, device=x.device)
+    gB = torch.empty(len(ids), *B.shape, dtype=torch.float32, device=x.device)
+    for k, e in enumerate(range(first, last + 1)):
+        rows = slice(max(e * seq - start, 0), min((e + 1) * seq - start, n))
+        torch.mm(dy_g[rows].t(), h2[rows], out=gB[k]).mul_(s)  # (out, n_e)(n_e, r)
+        torch.mm(gh[rows].t(), x_g[rows], out=gA[k])  # (r, n_e)(n_e, in)
+    dx = _lora_dx(dy, x, base, A, gh) if need_dx else None
+    return dx, ids, gA, gB
