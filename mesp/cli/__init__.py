@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     from mesp.training import TrainConfig
     from mesp.training.evaluate import EvalOptions
     from mesp.training.grad import GradOptions
+    from mesp.training.privacy import PrivacyConfig
     from mesp.training.run import RunOptions
 
     p = _Parser(prog="mesp", description=__doc__)
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         data,
         LoraConfig,
         TrainConfig,
+        PrivacyConfig,
     )
     # None = "not given": the engine decides (mesp.training.config.engine_defaults)
     sub.choices["train"].set_defaults(lr=None, schedule=None)
@@ -109,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         GradOptions,
         (DataConfig, ("seed", "valid_fraction")),
         LoraConfig,
+        PrivacyConfig,
     )
     _add_extensions(sub)
     return p

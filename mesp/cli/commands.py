@@ -25,6 +25,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
 def cmd_train(ns: argparse.Namespace) -> int:
     from mesp.training import TrainConfig
     from mesp.training.config import engine_defaults
+    from mesp.training.privacy import PrivacyConfig
     from mesp.training.run import RunOptions, TrainJob, run
 
     unset = {k: v for k, v in engine_defaults(ns.engine).items() if getattr(ns, k) is None}
@@ -36,6 +37,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         lora=from_args(LoraConfig, ns),
         train=from_args(TrainConfig, ns, **unset),
         argv=ns.argv,
+        privacy=from_args(PrivacyConfig, ns),
     )
     return run(job)
 
@@ -86,8 +88,10 @@ def cmd_export_adapter(ns: argparse.Namespace) -> int:
 
 def cmd_grad(ns: argparse.Namespace) -> int:
     from mesp.training.grad import GradOptions, grad
+    from mesp.training.privacy import PrivacyConfig
 
     opts, g = from_args(ModelOptions, ns), from_args(GradOptions, ns)
     eng, lora = from_args(EngineOptions, ns), from_args(LoraConfig, ns)
-    print(grad(opts, eng, g, from_args(DataConfig, ns), lora))
+    privacy = from_args(PrivacyConfig, ns)
+    print(grad(opts, eng, g, from_args(DataConfig, ns), lora, privacy))
     return 0

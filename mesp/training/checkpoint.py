@@ -196,9 +196,12 @@ def fingerprint(
     return json.loads(json.dumps(fp))  # tuples -> lists, as they come back from the file
 
 
-def check_fingerprint(st: TrainState, now: dict[str, Any], where: Path) -> None:
-    """Refuse to resume a run whose model/data/LoRA/optimizer setup differs from this one."""
-    for k in sorted(set(st.fingerprint) | set(now)):
+def check_fingerprint(
+    st: TrainState, now: dict[str, Any], where: Path, skip: tuple[str, ...] = ()
+) -> None:
+    """Refuse to resume a run whose model/data/LoRA/optimizer setup differs from this one
+    (`skip`: parts checked later, once known)."""
+    for k in sorted((set(st.fingerprint) | set(now)) - set(skip)):
         if st.fingerprint.get(k) != now.get(k):
             raise MespError(
                 f"{where}: cannot resume: it was trained with {k} = {st.fingerprint.get(k)!r}, "

@@ -3,6 +3,7 @@ engines (and other tools) can be compared tensor by tensor."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,12 @@ from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.data.preference import collate_pairs, load_pair_splits
 from mesp.engines import make_engine
 from mesp.engines.options import EngineOptions, engine_kwargs
+from mesp.engines.private import PrivateEngine
 from mesp.engines.ref_cache import attach_ref_cache
 from mesp.errors import MespError
 from mesp.loading.session import ModelOptions, open_with_adapter
 from mesp.lora import LoraConfig, adapter_state, apply_lora, check_output_dir
+from mesp.training.privacy import DPSGD, PrivacyConfig
 
 
 @dataclass
@@ -50,10 +53,17 @@ class GradOptions:
 
 
 def grad(
-    opts: ModelOptions, eng: EngineOptions, g: GradOptions, data: DataConfig, lora: LoraConfig
+    opts: ModelOptions,
+    eng: EngineOptions,
+    g: GradOptions,
+    data: DataConfig,
+    lora: LoraConfig,
+    privacy: PrivacyConfig | None = None,
 ) -> str:
     """Write the gradients of the first `g.batch_size` rows to `g.out`; returns the line that
-    says what was written."""
+    says what was written. With DP-SGD (`privacy`): the rows' clipped per-example gradients
+    summed, plus noise of std σ·C (seeded by --seed), divided by the rows: one DP-SGD step's
+    gradient on this batch (no sampling, no accountant)."""
     out = Path(g.out)
     if out.is_dir():
         raise MespError(f"{out}: is a directory; give a .safetensors file path")
@@ -69,6 +79,13 @@ def grad(
     data, _ = data.for_scoring()
     check_output_dir(out.parent)  # fail before the work, not after
     engine = make_engine(eng.engine, **engine_kwargs(eng, opts.quantize, g.seed))
+    dp = None
+    if privacy is not None and privacy.on:
+        if privacy.dp_noise is None or privacy.dp_clip is None:
+            raise MespError("mesp grad: --dp-epsilon needs a run (mesp train); give --dp-noise")
+        engine = PrivateEngine(engine, privacy.dp_clip, privacy.dp_clipping)
+        d = privacy.dp_delta or 1e-5
+        dp = DPSGD(privacy.dp_clip, privacy.dp_noise, 1.0, d, privacy.dp_clipping, 0.0, g.seed)
     attach_ref_cache(engine, g.ref_cache, eng.objective)
     loaded = open_with_adapter(opts, g.adapter)
     model, tok = loaded.model, loaded.tokenizer  # pre-tokenized rows need none
@@ -97,12 +114,17 @@ def grad(
         batch = collate(rows, pad).to(model.device)
         mean = engine.step(model, batch, batch.n_tokens) / batch.n_tokens
     params = [p for mod in model.lora_modules().values() for p in (mod.lora_A, mod.lora_B)]
+    if dp is not None:  # the step returned Σ of the rows' mean losses; (Σ clipped + noise) / B
+        mean = mean * batch.n_tokens / batch.mask.shape[0]
+        dp.expected = float(batch.mask.shape[0])
+        dp.privatize(params, 0)
     # A then B for each adapted module: adapter_state's key order
     grads = {k: p.grad.contiguous() for k, p in zip(adapter_state(model), params, strict=True)}
     meta = {
         "engine": engine.name,
         "loss": f"{mean:.8f}",
         "tokens": str(batch.n_tokens),
+        **({"dp": json.dumps(dp.fingerprint())} if dp is not None else {}),
     }
     atomic_write(out, lambda p: save_file(grads, p, metadata=meta))
     return f"mesp: wrote {len(grads)} gradients (loss {mean:.4f}) to {out}"

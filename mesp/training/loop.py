@@ -24,6 +24,7 @@ from mesp.training.config import TrainConfig, TrainResult
 from mesp.training.distributed import DataParallel
 from mesp.training.evaluate import evaluate
 from mesp.training.plot import plot_losses
+from mesp.training.privacy import DPSGD
 from mesp.training.schedule import lr_factor, make_optimizer
 from mesp.training.signals import Interrupted, SignalFlag, progress_bar
 from mesp.training.tensorboard import TensorBoardLog
@@ -45,6 +46,7 @@ def train(
     max_memory: int | None = None,
     tensorboard: TensorBoardLog | None = None,
     baseline: dict[str, float] | None = None,
+    privacy: DPSGD | None = None,
 ) -> TrainResult:
     """Train the model's adapters with `engine`; with `dp`, this process is one data-parallel
     rank: it computes its slice of each global batch, every rank scores its share of the
@@ -57,6 +59,8 @@ def train(
 
     `tensorboard`: rank 0's writer, given every row log.jsonl gets; the caller closes it.
     `baseline`: the validation before training, loss.png's step 0.
+    `privacy`: DP-SGD (training/privacy.py): each step's rows a Poisson sample, the engine (a
+    PrivateEngine) clips per example, the loop adds the noise and logs ε.
     `cfg.keep_best` / `cfg.early_stop`: see training/best.py."""
     from mesp.memory.rss import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
@@ -132,6 +136,8 @@ def train(
         st.stream = stream.state_dict()
         st.engine = engine.state_dict() if hasattr(engine, "state_dict") else {}
         save_adapter(model, out_dir, lora, base_name)
+        if privacy is not None:  # the guarantee of the adapter just saved
+            privacy.write(out_dir / "privacy.json", st.step)
         if getattr(engine, "perturb_all", False):  # mezo --zo-full: the base is trained too
             from mesp.convert.merge import write_model_dir
 
@@ -147,15 +153,20 @@ def train(
                 g["lr"] = lr
             if hasattr(engine, "set_lr"):  # engines that update parameters themselves (mezo)
                 engine.set_lr(lr)
-            micro = [
-                keep_last_fraction(next(stream), cfg.loss_fraction) for _ in range(cfg.grad_accum)
-            ]
+            if privacy is not None:  # a Poisson sample, in micro-batches; maybe none
+                drawn = privacy.sample(step, train_examples, cfg.batch_size, pad_id)
+            else:
+                drawn = [next(stream) for _ in range(cfg.grad_accum)]
+            micro = [keep_last_fraction(b, cfg.loss_fraction) for b in drawn]
             trained = sum(b.n_tokens for b in micro)
             # a preference engine's step returns its micro-batch's mean pair loss: the group's
-            # loss is their mean (TRL's gradient accumulation); SFT's is the mean token loss
+            # loss is their mean (TRL's gradient accumulation); SFT's is the mean token loss;
+            # DP-SGD's the mean over rows of each row's mean token loss
             normalizer = len(micro) if getattr(engine, "batch_mean", False) else trained
+            if privacy is not None:
+                normalizer = max(sum(b.mask.shape[0] for b in micro), 1)
             skipped = ""
-            if trained == 0:  # e.g. every target masked: no loss to take, never a NaN
+            if trained == 0 and privacy is None:  # e.g. every target masked: never a NaN
                 skipped = "no trained tokens in batch"
             else:
                 local = [dp.shard(b) for b in micro] if dp is not None else micro
@@ -166,6 +177,8 @@ def train(
                 elif dp is not None:
                     loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
                     stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)
+                if privacy is not None:  # an empty sample still steps: noise alone
+                    privacy.privatize(params, step)
                 loss = loss_sum / normalizer
                 finite = math.isfinite(loss) and all(
                     p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params
@@ -186,7 +199,7 @@ def train(
                 if bar is not None:
                     bar.update(1)
             else:
-                if cfg.clip > 0:
+                if cfg.clip > 0 and privacy is None:  # DP-SGD: the per-example bound instead
                     torch.nn.utils.clip_grad_norm_(params, cfg.clip)
                 if not updates_itself:
                     opt.step()
@@ -203,6 +216,10 @@ def train(
                     "step_s": dt,
                     "peak_rss_mb": peak_rss_bytes() / 2**20,
                 }
+                if privacy is not None:
+                    row["dp_rows"] = sum(b.mask.shape[0] for b in micro)
+                    eps = privacy.epsilon(step)
+                    row["epsilon"] = eps if math.isfinite(eps) else None  # noise 0: none
                 cuda_peak = cuda_peak_bytes()
                 if cuda_peak is not None:
                     row["cuda_peak_mb"] = cuda_peak / 2**20

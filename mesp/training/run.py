@@ -15,6 +15,7 @@ from mesp.data import DataConfig, load_splits, pad_id_of
 from mesp.data.preference import load_pair_splits
 from mesp.engines import make_engine
 from mesp.engines.options import EngineOptions, engine_kwargs
+from mesp.engines.private import PrivateEngine
 from mesp.engines.ref_cache import attach_ref_cache
 from mesp.errors import MespError
 from mesp.loading.build import held
@@ -26,6 +27,8 @@ from mesp.training.config import TrainConfig
 from mesp.training.distributed import from_env, launch_torchrun, shutdown
 from mesp.training.evaluate import evaluate
 from mesp.training.loop import train
+from mesp.training.privacy import DPSGD, PrivacyConfig
+from mesp.training.summary import finish_run
 from mesp.training.tensorboard import TensorBoardLog, require_tensorboard
 
 
@@ -89,6 +92,7 @@ class TrainJob:
     lora: LoraConfig
     train: TrainConfig
     argv: list[str] = field(default_factory=list)  # the command line, for the torchrun launcher
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # DP-SGD, off by default
 
     @property
     def out(self) -> Path:
@@ -100,6 +104,7 @@ class TrainJob:
         run = {k: v for k, v in asdict(self.run).items() if k not in skip}
         data = {k: v for k, v in asdict(self.data).items() if k != "seed"}
         parts = (asdict(self.model), asdict(self.engine), data, asdict(self.lora))
+        parts += (asdict(self.privacy),)
         return {**run, **{k: v for p in parts for k, v in p.items()}, **asdict(self.train)}
 
 
@@ -121,6 +126,8 @@ def _warn_if_schedule_changes(job: TrainJob) -> None:
 
 def run(job: TrainJob) -> int:
     """Train as `mesp train` does; returns the exit code (0, or torchrun's for --nproc N)."""
+    if job.privacy.on and (job.run.nproc > 1 or "WORLD_SIZE" in os.environ):
+        raise MespError("DP-SGD runs in one process (no --nproc): the noise is drawn once")
     if job.run.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(job.argv, job.run.nproc, job.run.master_port, job.out)
     if job.run.resume:
@@ -151,6 +158,9 @@ def run(job: TrainJob) -> int:
     engine = make_engine(
         job.engine.engine, **engine_kwargs(job.engine, job.model.quantize, seed, wd, tapes)
     )
+    if job.privacy.on:
+        assert job.privacy.dp_clip is not None
+        engine = PrivateEngine(engine, job.privacy.dp_clip, job.privacy.dp_clipping)
     attach_ref_cache(engine, job.run.ref_cache, obj)
     dp = from_env(job.run.dist_timeout, job.model.device)
     main = dp is None or dp.is_main
@@ -162,12 +172,20 @@ def run(job: TrainJob) -> int:
         job.data.check_positions(model.config.max_position_embeddings)
         engine.loss.check(model.config.vocab_size)  # type: ignore[attr-defined]
         fp = fingerprint(loaded, job.model, job.engine.engine, kw, job.data, job.lora, job.train)
-        if resume is not None:
-            check_fingerprint(resume, fp, out)
+        if resume is not None:  # before the data are read; DP-SGD's part needs them
+            check_fingerprint(resume, fp, out, skip=("privacy",))
         if pairs:
             splits = load_pair_splits(job.data, tok, model.config.vocab_size)
         else:
             splits = load_splits(job.data, tok, vocab_size=model.config.vocab_size)
+        cfg = job.train
+        privacy = None
+        if job.privacy.on:  # the sampling rate needs the rows; the noise, maybe the accountant
+            e = cfg.batch_size * cfg.grad_accum
+            privacy = DPSGD.resolve(job.privacy, len(splits["train"]), e, cfg.steps, cfg.seed)
+            fp["privacy"] = privacy.fingerprint()
+        if resume is not None:
+            check_fingerprint(resume, fp, out)  # DP-SGD on or off, and its resolved σ, q, δ
         objective = kw.get("objective")
         pad = pad_id_of(tok, model.config)
         n_params = apply_lora(model, job.lora, seed=job.train.seed)
@@ -183,7 +201,6 @@ def run(job: TrainJob) -> int:
         base_f = out / "baseline.json"  # the untrained adapter's score, kept across resumes
         before: dict = {}
         reuse = resume is not None and base_f.exists()
-        cfg = job.train
         if splits["valid"] and not reuse:  # every rank scores its share
             before = evaluate(
                 model,
@@ -220,6 +237,7 @@ def run(job: TrainJob) -> int:
             max_memory=budget,
             tensorboard=tb,
             baseline=before or None,  # loss.png's step 0
+            privacy=privacy,
         )
     except BaseException:
         shutdown()
@@ -230,34 +248,7 @@ def run(job: TrainJob) -> int:
     shutdown(clean=True)  # every rank ended its run: leave together, not while one still saves
     if not main:
         return 0
-    after = res.valid[-1] if res.valid else {}
-    summary = {
-        "valid_ppl_before": before.get("ppl"),
-        "valid_ppl_after": after.get("ppl"),
-        **({"valid_accuracy_before": before.get("accuracy")} if pairs else {}),
-        **({"valid_accuracy_after": after.get("accuracy")} if pairs else {}),
-        "peak_rss_mb": (res.peak_rss_bytes or 0) / 2**20,
-        "seconds": res.seconds,
-        "adapter": str(out),
-    }
-    atomic_write(
-        out / "summary.json", lambda p: Path(p).write_text(json.dumps(summary, indent=2) + "\n")
-    )
-    ppl = (
-        f"valid perplexity {before['ppl']:.2f} -> {after['ppl']:.2f}"
-        if before and after
-        else "no validation set"
-    )
-    if pairs and before and after:
-        ppl = (
-            f"valid preference accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
-            f"reward margin {before['margin']:.4f} -> {after['margin']:.4f}, "
-            f"loss {before['loss']:.4f} -> {after['loss']:.4f}"
-        )
-    print(
-        f"mesp: {ppl}; peak RSS {summary['peak_rss_mb']:.0f} MB; {res.seconds:.0f} s; "
-        f"adapter in {out}"
-    )
+    finish_run(out, before, res, pairs, privacy)
     return 0
 
 
