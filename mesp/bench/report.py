@@ -14,6 +14,7 @@ from typing import Any
 
 from mesp.bench import decode as bench_decode
 from mesp.bench import dequant as bench_dequant
+from mesp.bench import dp as bench_dp
 from mesp.bench import dpo as bench_dpo
 from mesp.bench import dropin_report, ondevice_cap
 from mesp.bench import ladder as bench_ladder
@@ -252,6 +253,7 @@ def write_report(out: Path, markdown: Path, dtype: str | None = None) -> Path:
     lines += bench_softmax.section(rows)
     lines += bench_speed.section(rows)
     lines += bench_dpo.section(rows)
+    lines += bench_dp.section(rows)
     lines += bench_profile.section(rows)
     lines += bench_dequant.section(rows)
     lines += bench_decode.section(rows)

@@ -106,6 +106,11 @@ BENCHES: dict[str, Bench] = {
         ("engines", "shapes", "seq", "rank", "dtype", "steps", "warmup", "threads"),
         studies.run_dpo,
     ),
+    "dp": Bench(
+        "a DP-SGD step (per-layer, flat) beside SFT, mesp and HF + PEFT + Opacus",
+        ("engines", "shapes", "seq", "rank", "batch", "dtype", "steps", "warmup", "threads"),
+        studies.run_dp,
+    ),
 }
 
 

@@ -34,6 +34,7 @@ FLAGS: dict[str, dict[str, Any]] = {
     "models": dict(type=_words, default=None, help="real models (named models or paths)"),
     "seq": dict(type=_ints, default=None, help="sequence length(s), comma list"),
     "rank": dict(type=_ints, default=None, help="LoRA rank(s), comma list"),
+    "batch": dict(type=int, default=4, help="rows per step"),
     "skip": dict(type=_words, default=(), help="configs not to run, e.g. bp@qwen2.5-3b"),
     "dtype": dict(
         choices=DTYPES,

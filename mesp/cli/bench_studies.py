@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from functools import partial
 from typing import Any
 
 from mesp.cli.bench_flags import canonical, check_steps, measure_then_report, one_config
@@ -74,15 +75,27 @@ def run_dequant(ns: argparse.Namespace) -> int:
 
 
 def run_dpo(ns: argparse.Namespace) -> int:
-    """A DPO step beside SFT on the same tokens, mesp and HF + PEFT + gc (mesp/bench/dpo.py):
-    one --shapes / --seq (per sequence) / --rank, --steps rounds after --warmup steps each;
-    --engines picks among the variants (mesp-sft and mesp-dpo always)."""
-    from mesp.bench.dpo import VARIANTS, line, run_dpo
+    """A DPO step beside SFT on the same tokens (mesp/bench/dpo.py); mesp-sft, mesp-dpo always."""
+    from mesp.bench import dpo
+
+    return _side_by_side(ns, "dpo", dpo.VARIANTS, dpo.line, dpo.run_dpo)
+
+
+def run_dp(ns: argparse.Namespace) -> int:
+    """A DP-SGD step beside SFT on --batch rows (mesp/bench/dp.py); mesp-sft always."""
+    from mesp.bench import dp
+
+    return _side_by_side(ns, "dp", dp.VARIANTS, dp.line, partial(dp.run_dp, batch=ns.batch))
+
+
+def _side_by_side(ns: argparse.Namespace, what: str, all_variants, line, run) -> int:  # type: ignore[no-untyped-def]
+    """The variants of one --shapes / --seq / --rank built and timed in this process, --steps
+    rounds after --warmup steps each (dpo, dp); --engines picks among them."""
     from mesp.bench.targets import cpu_dtype
 
     ns.dtype = ns.dtype or cpu_dtype()
-    variants = tuple(ns.engines) if ns.engines else VARIANTS
-    shape, seq, rank = one_config(ns, "dpo", "qwen2.5-0.5b", 256, 8)
+    variants = tuple(ns.engines) if ns.engines else all_variants
+    shape, seq, rank = one_config(ns, what, "qwen2.5-0.5b", 256, 8)
     if ns.threads:
         import torch
 
@@ -90,7 +103,7 @@ def run_dpo(ns: argparse.Namespace) -> int:
     cmd = canonical(ns)
     return measure_then_report(
         ns,
-        lambda: run_dpo(ns.out, shape, seq, rank, ns.dtype, ns.steps, ns.warmup, cmd, variants),
+        lambda: run(ns.out, shape, seq, rank, ns.dtype, ns.steps, ns.warmup, cmd, variants),
         line,
     )
 
