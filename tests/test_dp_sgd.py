@@ -179,3 +179,26 @@ def test_dp_refuses_a_preference_objective() -> None:
 
 def test_config_defaults_off() -> None:
     assert not PrivacyConfig().on
+
+
+def test_grad_writes_the_clipped_mean(tiny, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`mesp grad --dp-clip C --dp-noise 0`: (Σ clipped) / B, and bp's equals mesp's; the noise
+    changes it; --dp-epsilon needs a run."""
+    model, data = tiny
+    base = ["grad", "--model", str(model), "--data", str(data), "--quantize", "none"]
+    base += ["--seq-len", "32", "--batch-size", "3", "--rank", "2", "--init-b", "0.05"]
+    got = {}
+    for engine, noise in (("bp", "0"), ("mesp", "0"), ("mesp", "2")):
+        out = tmp_path / f"{engine}{noise}.safetensors"
+        argv = [*base, "--engine", engine, "--dp-clip", "0.01", "--dp-noise", noise]
+        assert main([*argv, "--dp-clipping", "flat", "--out", str(out)]) == 0
+        got[engine, noise] = load_file(str(out))
+    for k, v in got["bp", "0"].items():
+        torch.testing.assert_close(got["mesp", "0"][k], v, rtol=1e-5, atol=1e-9)
+    norm = math.sqrt(sum(float(v.double().square().sum()) for v in got["bp", "0"].values()))
+    assert norm <= 0.01 + 1e-9  # the mean of three gradients each of norm <= C
+    assert any(not torch.equal(got["mesp", "2"][k], v) for k, v in got["mesp", "0"].items())
+    capsys.readouterr()
+    argv = [*base, "--dp-clip", "1", "--dp-epsilon", "3", "--out", str(tmp_path / "e.st")]
+    assert main(argv) == 2
+    assert "needs a run" in capsys.readouterr().err
