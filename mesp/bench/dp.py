@@ -17,17 +17,14 @@ step, then timed in rounds with the order rotated, so the ratios come from steps
 
 from __future__ import annotations
 
-import gc
 import os
-import statistics
-import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mesp.bench.inprocess import Built, side_by_side
 from mesp.bench.output import write_row
 from mesp.errors import MespError
 
@@ -36,7 +33,6 @@ VARIANTS = ("mesp-sft", "mesp-dp-layer", "mesp-dp-flat", "peft-opacus")
 # the targets against mesp SFT: per-layer peak and time, flat time
 TARGETS = {"layer_peak": 1.10, "layer_time": 1.2, "flat_time": 1.25}
 CLIP, SIGMA = 1.0, 1.0
-Built = tuple[Callable[[], float], list, Callable[[], list]]
 
 
 def _mesp(c: Any, dtype: torch.dtype, clipping: str | None) -> Built:
@@ -137,7 +133,6 @@ def run_dp(
     from mesp.bench.method import machine
     from mesp.bench.tables import VARIANTS as TABLE1
     from mesp.bench.variants import ChildConfig
-    from mesp.memory.tracker import measure_peak
 
     if rounds < 1 or warmup < 0:
         raise MespError("dp: --steps (rounds) must be >= 1 and --warmup >= 0")
@@ -155,26 +150,9 @@ def run_dp(
             steps[v] = _mesp(c, tdtype, clipping)
         else:
             steps[v] = _opacus(c, tdtype)
-    per: dict[str, dict[str, Any]] = {}
-    for v, (step, frozen, adapter) in steps.items():
-        for _ in range(warmup):
-            step()
-        gc.collect()
-        peak = measure_peak(step, weights=frozen, adapter=adapter)
-        per[v] = {"peak_bytes": peak["total"], "weights_bytes": peak["weights"],
-                  "over_weights_bytes": peak["total"] - peak["weights"], "steps_s": []}  # fmt: skip
-    names = list(steps)
-    for i in range(rounds):
-        for j in range(len(names)):
-            v = names[(i + j) % len(names)]
-            gc.collect()
-            t = time.perf_counter()
-            steps[v][0]()
-            per[v]["steps_s"].append(time.perf_counter() - t)
     tokens = batch * seq
-    for p in per.values():
-        p["median_s"] = statistics.median(p["steps_s"])
-        p["tokens_per_s"] = tokens / p["median_s"]
+    per = side_by_side(steps, warmup, rounds, tokens)
+    names = list(steps)
     sft = per["mesp-sft"]
     ratios: dict[str, float] = {}
     for v, p in per.items():

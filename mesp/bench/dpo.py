@@ -16,17 +16,14 @@ so the tokens/s ratios are taken between steps seconds apart.
 
 from __future__ import annotations
 
-import gc
 import os
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mesp.bench.inprocess import Built, side_by_side
 from mesp.bench.output import write_row
 from mesp.errors import MespError
 
@@ -34,8 +31,6 @@ Row = dict[str, Any]
 TARGET = 1.15  # mesp DPO peak / mesp SFT peak at the same tokens per step (issue 30 item 6)
 BETA = 0.1  # TRL's default; neither the peak nor the time depends on it
 VARIANTS = ("mesp-sft", "mesp-dpo", "peft-gc-sft", "peft-gc-dpo")
-# (step, frozen tensors, adapter tensors after the step) for the exact tracker
-Built = tuple[Callable[[], float], list, Callable[[], list]]
 
 
 def _mesp(c: Any, dtype: torch.dtype, dpo: bool) -> Built:
@@ -137,7 +132,6 @@ def run_dpo(
     from mesp.bench.method import machine
     from mesp.bench.tables import VARIANTS as TABLE1
     from mesp.bench.variants import ChildConfig
-    from mesp.memory.tracker import measure_peak
 
     if rounds < 1 or warmup < 0:
         raise MespError("dpo: --steps (rounds) must be >= 1 and --warmup >= 0")
@@ -152,26 +146,9 @@ def run_dpo(
                         **TABLE1[base])  # fmt: skip
         build = _mesp if base == "mesp" else _peft
         steps[v] = build(c, tdtype, v.endswith("dpo"))
-    per: dict[str, dict[str, Any]] = {}
-    for v, (step, frozen, adapter) in steps.items():
-        for _ in range(warmup):
-            step()
-        gc.collect()
-        peak = measure_peak(step, weights=frozen, adapter=adapter)
-        per[v] = {"peak_bytes": peak["total"], "weights_bytes": peak["weights"],
-                  "over_weights_bytes": peak["total"] - peak["weights"], "steps_s": []}  # fmt: skip
-    names = list(steps)
-    for i in range(rounds):
-        for j in range(len(names)):
-            v = names[(i + j) % len(names)]  # rotated: each variant takes each place in turn
-            gc.collect()
-            t = time.perf_counter()
-            steps[v][0]()
-            per[v]["steps_s"].append(time.perf_counter() - t)
     tokens = 2 * seq
-    for p in per.values():
-        p["median_s"] = statistics.median(p["steps_s"])
-        p["tokens_per_s"] = tokens / p["median_s"]
+    per = side_by_side(steps, warmup, rounds, tokens)
+    names = list(steps)
     for v in ("mesp-sft", "mesp-dpo"):  # what `mesp plan` predicts for this very step
         per[v]["planned_bytes"] = _planned(shape, seq, rank, dtype, v.removeprefix("mesp-"))
     ratio = per["mesp-dpo"]["peak_bytes"] / per["mesp-sft"]["peak_bytes"]
