@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
+from mesp.accountant import epsilon, solve_noise
 from mesp.atomic_io import atomic_write
 from mesp.batch import Batch, Example, collate
 from mesp.engines.clipping import CLIPPINGS
 from mesp.errors import MespError
-
-MAX_NOISE = 1000.0  # --dp-epsilon: a noise multiplier above this trains nothing; refused
 
 
 @dataclass
@@ -82,48 +81,6 @@ class PrivacyConfig:
     @property
     def on(self) -> bool:
         return self.dp_clip is not None
-
-
-def _accountant():  # type: ignore[no-untyped-def]
-    try:
-        import dp_accounting
-    except ImportError:
-        raise MespError(
-            "DP-SGD's accountant needs Google's dp-accounting: pip install 'mesp[privacy]'"
-        ) from None
-    return dp_accounting
-
-
-def epsilon(q: float, sigma: float, steps: int, delta: float) -> float:
-    """ε at δ after `steps` Poisson-subsampled Gaussian steps (RDP accountant)."""
-    if steps == 0:
-        return 0.0
-    if sigma == 0:
-        return math.inf
-    dpa = _accountant()
-    acc = dpa.rdp.RdpAccountant()
-    acc.compose(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps)
-    return float(acc.get_epsilon(delta))
-
-
-def solve_noise(eps: float, q: float, steps: int, delta: float) -> float:
-    """The smallest σ whose run of `steps` steps at rate q spends at most ε at δ."""
-    dpa = _accountant()
-
-    def event(sigma: float):  # type: ignore[no-untyped-def]
-        return dpa.SelfComposedDpEvent(
-            dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps
-        )
-
-    if epsilon(q, MAX_NOISE, steps, delta) > eps:
-        raise MespError(
-            f"--dp-epsilon {eps} cannot be met at δ={delta:g} over {steps} steps at sampling "
-            f"rate {q:.4g}: it needs a noise multiplier above {MAX_NOISE:g} (fewer --steps, a "
-            "smaller --batch-size or a larger ε)"
-        )
-    bracket = dpa.ExplicitBracketInterval(1e-3, MAX_NOISE)
-    sigma = dpa.calibrate_dp_mechanism(dpa.rdp.RdpAccountant, event, eps, delta, bracket)
-    return float(sigma)
 
 
 @dataclass
