@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mesp.ondevice import private
 from mesp.ondevice.contract import ADAMW_SCALARS, ET_VERSION, adamw_scalars, fnv1a64
 from mesp.ondevice.kernels import KernelError, load_kernels
 from mesp.ondevice.runner import (
@@ -181,26 +182,42 @@ class EtTrainer:
         n = int(mask.sum())
         if n == 0:
             return None
+        loss, g = self.forward_loss(ids, tgt, mask, k)
+        scal = self._scalars()
+        self.backward(g, lambda i, grads: self._update(i, grads, scal))
+        return loss / n
+
+    @torch.no_grad()
+    def forward_loss(
+        self, ids: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, k: int
+    ) -> tuple[float, torch.Tensor]:
+        """The forward (block inputs kept) and the loss on the trained positions of `mask`
+        (at least one): their summed loss and dL/dh of the last hidden state."""
+        n = int(mask.sum())
         art, run = self.art, self.progs.run
         h = run("embed", self._src(art.embed_w, None, {"ids": ids}))["h"]
-        xs = self.checkpoints
         for i, b in enumerate(self.blocks):
-            xs.put(i, h)
+            self.checkpoints.put(i, h)
             with art.block(i) as w:
                 h = run(f"{b['fn']}.forward", self._src(w, i, {"x": h}))["y"]
         rows = mask.reshape(-1).nonzero().squeeze(1)
         out = self.loss(h, rows, tgt.reshape(-1).index_select(0, rows), torch.tensor(float(n)))
-        loss = float(out["loss"].sum(dtype=torch.float64)) / n
+        loss = float(out["loss"].sum(dtype=torch.float64))
         if not math.isfinite(loss):
             raise RunnerError(f"non-finite loss at step {k}; no adapter written (lower --lr?)")
-        g, scal = out["dh"], self._scalars()
+        return loss, out["dh"]
+
+    @torch.no_grad()
+    def backward(self, g: torch.Tensor, take: Callable[[int, Tensors], None]) -> None:
+        """The blocks in reverse from dL/dh = g; `take(i, grads)` gets block i's LoRA
+        gradients (by adapter key) right after its backward."""
         for i in range(len(self.blocks) - 1, -1, -1):
             b = self.blocks[i]
-            with art.block(i) as w:
-                out = run(f"{b['fn']}.backward", self._src(w, i, {"x": xs.get(i, g), "dy": g}))
+            with self.art.block(i) as w:
+                x = self.checkpoints.get(i, g)
+                out = self.progs.run(f"{b['fn']}.backward", self._src(w, i, {"x": x, "dy": g}))
             g = out.pop("dx")
-            self._update(i, {k[5:]: t for k, t in out.items()}, scal)
-        return loss
+            take(i, {k[5:]: t for k, t in out.items()})
 
     def loss(
         self, h: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor, norm: torch.Tensor
@@ -249,15 +266,20 @@ def train(
     art: Artifacts,
     rows: list[tuple[list[int], list[int]]],
     cfg: RunConfig,
-    log: Callable[[int, float | None], None] | None = None,
+    log: Callable[[int, float | None, str], None] | None = None,
 ) -> tuple[EtTrainer, list[float | None]]:
     trainer = EtTrainer(art, cfg)
     data, losses = batches(rows, art.batch_size), []
     for k in range(1, cfg.steps + 1):
-        loss = trainer.step(*make_batch(next(data), art.batch_size, art.seq_len), k)
+        note = ""
+        if cfg.dp is not None:  # DP-SGD: the step's Poisson sample, one row at a time
+            loss, sampled = private.step(trainer, rows, k, cfg.dp, make_batch)
+            note = cfg.dp.note(k, sampled)
+        else:
+            loss = trainer.step(*make_batch(next(data), art.batch_size, art.seq_len), k)
         losses.append(loss)
         if log is not None:
-            log(k, loss)
+            log(k, loss, note)
     return trainer, losses
 
 

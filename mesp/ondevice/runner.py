@@ -28,6 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from mesp.errors import MespError
+from mesp.ondevice import private
 from mesp.ondevice.adapter_gguf import adapter_gguf_writer
 from mesp.ondevice.contract import ADAPTER_GGUF, FORMAT, VERSION
 
@@ -204,6 +206,7 @@ class RunConfig:
     optimizer: str = "sgd"
     weight_decay: float = 0.0
     checkpoints_dir: str | None = None  # block inputs in a scratch file there, not in memory
+    dp: Any = None  # DP-SGD: a mesp.ondevice.private.DpPlan, or None
 
 
 def write_atomic(path: Path, write: Callable[[str], object]) -> None:
@@ -301,6 +304,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "read back in the backward) instead of in memory: the same numbers, one block's input "
         "resident instead of all of them",
     )
+    private.add_arguments(p)
 
 
 def run(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
@@ -314,21 +318,33 @@ def run(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
     t0 = time.perf_counter()
     art = Artifacts(Path(ns.artifacts))
     rows = read_rows(Path(ns.data), art.seq_len, art.vocab)
+    try:
+        dp = private.DpPlan.resolve(ns, len(rows), ns.steps, art.batch_size)
+    except MespError as e:
+        raise RunnerError(str(e)) from None
 
     last = [time.perf_counter()]
 
-    def log(k: int, loss: float | None) -> None:
+    def log(k: int, loss: float | None, note: str = "") -> None:
         now = time.perf_counter()
         if not ns.quiet:
-            shown = "skipped (no trained token)" if loss is None else f"{loss:.6f}"
-            print(f"step {k} loss {shown} time {now - last[0]:.3f}s{_rss_note()}", flush=True)
+            empty = "none (noise only)" if dp else "skipped (no trained token)"
+            shown = empty if loss is None else f"{loss:.6f}"
+            print(f"step {k} loss {shown} time {now - last[0]:.3f}s{_rss_note()}{note}", flush=True)
         last[0] = now
 
-    cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay, ns.checkpoints_dir)
+    cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay, ns.checkpoints_dir, dp)
     trainer, _ = train_fn(art, rows, cfg, log)
     note = save_adapter(trainer, out)
     if note:
         print(note, flush=True)
+    if dp is not None:  # the guarantee the adapter was trained under, beside it
+        try:
+            text = dp.privacy_json(ns.steps)
+            write_atomic(out / "privacy.json", lambda p: Path(p).write_text(text))
+        except OSError as e:
+            raise RunnerError(f"{out}: could not save privacy.json ({e.strerror or e})") from None
+        print(dp.summary(ns.steps), flush=True)
     print(
         f"saved {out} after {ns.steps} steps in {time.perf_counter() - t0:.1f}s; frozen weights "
         f"resident at most {art.peak_resident_bytes / 2**20:.1f} MiB",

@@ -67,21 +67,32 @@ std::vector<Row> read_rows(const std::string& path, int64_t seq_len, int64_t voc
   return rows;
 }
 
+namespace {
+void put_row(Batch& b, const Row& r, int64_t j, int64_t seq_len) {
+  const int64_t k = static_cast<int64_t>(r.ids.size()) - 1;
+  for (int64_t t = 0; t < k; ++t) {
+    b.ids[j * seq_len + t] = r.ids[t];
+    if (r.mask[t + 1]) {
+      b.rows.push_back(j * seq_len + t);
+      b.tgt.push_back(r.ids[t + 1]);
+    }
+  }
+}
+}  // namespace
+
 Batch make_batch(const std::vector<Row>& rows, int64_t step, int64_t batch_size, int64_t seq_len) {
   Batch b;
   b.ids.assign(static_cast<size_t>(batch_size * seq_len), 0);
   const int64_t n = static_cast<int64_t>(rows.size());
-  for (int64_t j = 0; j < batch_size; ++j) {
-    const Row& r = rows[static_cast<size_t>(((step - 1) * batch_size + j) % n)];
-    const int64_t k = static_cast<int64_t>(r.ids.size()) - 1;
-    for (int64_t t = 0; t < k; ++t) {
-      b.ids[j * seq_len + t] = r.ids[t];
-      if (r.mask[t + 1]) {
-        b.rows.push_back(j * seq_len + t);
-        b.tgt.push_back(r.ids[t + 1]);
-      }
-    }
-  }
+  for (int64_t j = 0; j < batch_size; ++j)
+    put_row(b, rows[static_cast<size_t>(((step - 1) * batch_size + j) % n)], j, seq_len);
+  return b;
+}
+
+Batch example_batch(const Row& row, int64_t batch_size, int64_t seq_len) {
+  Batch b;
+  b.ids.assign(static_cast<size_t>(batch_size * seq_len), 0);
+  put_row(b, row, 0, seq_len);
   return b;
 }
 

@@ -25,5 +25,7 @@ struct Batch {
 
 // Step k (1-based) uses rows ((k-1)*B + j) % rows.size(), j = 0..B-1.
 Batch make_batch(const std::vector<Row>& rows, int64_t step, int64_t batch_size, int64_t seq_len);
+// One row alone in slot 0 (DP-SGD's per-example pass); slots 1..B-1 padded, nothing trained.
+Batch example_batch(const Row& row, int64_t batch_size, int64_t seq_len);
 
 }  // namespace mesp

@@ -4,6 +4,8 @@
 //   mesp-runner DIR --data ROWS.jsonl --steps N [--optimizer sgd|adamw] [--lr 1e-4]
 //               [--weight-decay 0] --out ADAPTER_DIR [--quiet] [--threads N] [--json-log FILE]
 //               [--memory-poll-us 1000]
+//               [--dp-clip C (--dp-noise S | --dp-epsilon E) [--dp-delta D] [--dp-batch N]
+//                [--dp-clipping per-layer|flat] [--seed 0]]   (DP-SGD: private.h)
 //
 // Every error is one line on stderr, "mesp-runner: error: <what>", exit code 2, no adapter.
 #include <cerrno>
@@ -20,6 +22,7 @@
 #include "error.h"
 #include "et_program.h"
 #include "platform.h"
+#include "private.h"
 #include "train.h"
 
 namespace mesp {
@@ -30,6 +33,10 @@ const char* kUsage =
     "                   [--optimizer sgd|adamw] [--lr 1e-4] [--weight-decay 0]\n"
     "                   [--quiet] [--threads N] [--json-log FILE] [--checkpoints-dir DIR]\n"
     "                   [--memory-poll-us 1000]  (0: anon memory sampled between programs only)\n"
+    "DP-SGD (each row's gradient clipped, Gaussian noise, the privacy spent printed per step):\n"
+    "                   --dp-clip C (--dp-noise SIGMA | --dp-epsilon EPS) [--dp-delta D]\n"
+    "                   [--dp-batch E]  (expected rows per step, Poisson; default the export's)\n"
+    "                   [--dp-clipping per-layer|flat] [--seed 0]\n"
     "Trains LoRA adapters from a `mesp export --target executorch` directory.\n";
 
 struct Args {
@@ -39,6 +46,7 @@ struct Args {
   bool quiet = false;
   int threads = 0;
   int memory_poll_us = 1000;  // the anon watch's period (platform.h)
+  DpFlags dp;
 };
 
 double parse_double(const std::string& flag, const std::string& v) {
@@ -89,13 +97,17 @@ Args parse_args(int argc, char** argv) {
                                     "--lr",      "--weight-decay", "--out",
                                     "--threads", "--json-log", "--checkpoints-dir",
                                     "--memory-poll-us"};
-    bool known = false;
+    bool known = arg == "--seed" || arg.compare(0, 5, "--dp-") == 0;
     for (const char* k : kValued) known = known || arg == k;
     if (!known) throw RunnerError("unknown flag " + arg + " (see --help)");
     if (!inline_value) {
       if (i + 1 >= argc) throw RunnerError(arg + " needs a value");
       value = argv[++i];
     }
+    if (parse_dp_flag(arg, value, a.dp))
+      continue;
+    if (arg.compare(0, 5, "--dp-") == 0)
+      throw RunnerError("unknown flag " + arg + " (see --help)");
     if (arg == "--data")
       a.data = value;
     else if (arg == "--out")
@@ -137,6 +149,14 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
+// `v` printed with `fmt`, or `inf` when it is not finite (noise 0: no guarantee).
+std::string number_text(double v, const char* fmt, const char* inf) {
+  if (!std::isfinite(v)) return inf;
+  char buf[40];
+  std::snprintf(buf, sizeof buf, fmt, v);
+  return buf;
+}
+
 double mib(uint64_t bytes) {
   return static_cast<double>(bytes) / (1024.0 * 1024.0);
 }
@@ -155,6 +175,9 @@ int run(int argc, char** argv) {
   Artifacts art = load_artifacts(a.dir);
   std::vector<Row> rows = read_rows(a.data, art.seq_len, art.vocab);
   Trainer trainer(art, a.opt, a.checkpoints_dir);
+  const std::optional<DpPlan> dp = resolve_dp(a.dp, static_cast<int64_t>(rows.size()), a.steps,
+                                              art.batch_size);
+  if (dp) trainer.enable_dp(*dp);
   std::FILE* log = nullptr;
   if (!a.json_log.empty()) {
     log = std::fopen(a.json_log.c_str(), "w");
@@ -171,8 +194,20 @@ int run(int argc, char** argv) {
 
   for (int64_t k = 1; k <= a.steps; ++k) {
     const double ts = now_seconds();
-    Batch batch = make_batch(rows, k, art.batch_size, art.seq_len);
-    std::optional<double> loss = trainer.step(batch, k);
+    int64_t sampled = 0;
+    std::optional<double> loss;
+    if (dp) {
+      loss = trainer.step_private(rows, k, sampled);
+    } else {
+      loss = trainer.step(make_batch(rows, k, art.batch_size, art.seq_len), k);
+    }
+    std::string dp_note, dp_json;  // DP-SGD: the step's sample size and the epsilon spent
+    if (dp) {
+      const double eps = dp->epsilon(k);
+      dp_note = " rows " + std::to_string(sampled) + " epsilon " + number_text(eps, "%.6f", "inf");
+      dp_json = ", \"rows\": " + std::to_string(sampled) +
+                ", \"epsilon\": " + number_text(eps, "%.17g", "null");
+    }
     const double dt = now_seconds() - ts;
     const MemInfo m = mem_info();
     if (!a.quiet) {
@@ -180,9 +215,10 @@ int run(int argc, char** argv) {
       if (loss)
         std::snprintf(shown, sizeof shown, "%.6f", *loss);
       else
-        std::snprintf(shown, sizeof shown, "skipped (no trained token)");
-      std::printf("step %lld loss %s time %.3fs peak_rss %.1fMiB anon %.1fMiB\n",
-                  static_cast<long long>(k), shown, dt, mib(m.peak_rss), mib(trainer.peak_anon()));
+        std::snprintf(shown, sizeof shown, dp ? "none (noise only)" : "skipped (no trained token)");
+      std::printf("step %lld loss %s time %.3fs peak_rss %.1fMiB anon %.1fMiB%s\n",
+                  static_cast<long long>(k), shown, dt, mib(m.peak_rss), mib(trainer.peak_anon()),
+                  dp_note.c_str());
       std::fflush(stdout);
     }
     if (log != nullptr) {
@@ -194,16 +230,28 @@ int run(int argc, char** argv) {
       // "memory": after load and around each program's first run (step 1), else []
       std::fprintf(log,
                    "{\"step\": %lld, \"loss\": %s, \"time_s\": %.6f, \"peak_rss_bytes\": %llu, "
-                   "\"anon_bytes\": %llu, \"memory\": %s}\n",
+                   "\"anon_bytes\": %llu, \"memory\": %s%s}\n",
                    static_cast<long long>(k), shown, dt,
                    static_cast<unsigned long long>(m.peak_rss),
                    static_cast<unsigned long long>(trainer.peak_anon()),
-                   trainer.take_memory_events().c_str());
+                   trainer.take_memory_events().c_str(), dp_json.c_str());
       std::fflush(log);
     }
   }
   const std::string note = trainer.save(a.out);  // "" or why there is no adapter.gguf
   if (!note.empty()) std::printf("%s\n", note.c_str());
+  if (dp) {  // the guarantee the adapter was trained under, beside it (as `mesp train` writes)
+    std::string why;
+    if (!write_atomic(a.out + "/privacy.json", dp->privacy_json(a.steps), why))
+      throw RunnerError(a.out + ": could not save privacy.json (" + why + ")");
+    const double eps = dp->epsilon(a.steps);
+    const std::string spent = "epsilon = " + number_text(eps, "%.3f", "inf");
+    std::printf("DP-SGD: %s at delta = %.3g after %lld steps (noise sigma = %.4g, bound C = %g, "
+                "%s, sampling rate q = %.4g); the guarantee is in privacy.json\n",
+                std::isfinite(eps) ? spent.c_str() : "no guarantee (noise 0)",
+                dp->delta, static_cast<long long>(a.steps), dp->sigma, dp->clip,
+                dp->flat ? "flat" : "per-layer", dp->q);
+  }
   const MemInfo m = mem_info();
   std::printf(
       "saved %s after %lld steps in %.1f s; peak RSS %.1f MiB (anon %.1f MiB, polled every %d "

@@ -249,6 +249,10 @@ void Trainer::prepare(Programs& programs) {
         l.m = HostTensor(l.p.dtype, shape);
         l.v = HostTensor(l.p.dtype, shape);
       }
+      if (dp_) {  // DP-SGD's sum of clipped gradients (+ flat: one example's gradient)
+        l.acc = HostTensor(l.p.dtype, shape);
+        if (dp_->flat) l.ex = HostTensor(l.p.dtype, shape);
+      }
     }
   }
   size_t most = 0;
@@ -261,6 +265,14 @@ void Trainer::prepare(Programs& programs) {
 std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
   const int64_t n = static_cast<int64_t>(batch.rows.size());
   if (n == 0) return std::nullopt;
+  const double loss = forward_loss(batch, k) / static_cast<double>(n);
+  begin_update();
+  backward([this](size_t i) { update_block(i); });
+  return loss;
+}
+
+double Trainer::forward_loss(const Batch& batch, int64_t k) {
+  const int64_t n = static_cast<int64_t>(batch.rows.size());
   std::memcpy(ids_.buf.data(), batch.ids.data(), ids_.nbytes());
   std::memcpy(rows_.buf.data(), batch.rows.data(), static_cast<size_t>(n) * sizeof(int64_t));
   std::memcpy(tgt_.buf.data(), batch.tgt.data(), static_cast<size_t>(n) * sizeof(int64_t));
@@ -280,18 +292,20 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
   }
 
   // Loss: per-row losses (summed in double, as the engine does) and dL/dh into g_.
-  const double loss = run_loss(n) / static_cast<double>(n);
-  if (!std::isfinite(loss))  // before any update: the adapter stays as it was
+  const double sum = run_loss(n);
+  if (!std::isfinite(sum))  // before any update: the adapter stays as it was
     throw RunnerError("non-finite loss at step " + std::to_string(k) +
                       "; no adapter written (lower --lr?)");
-  begin_update();
+  return sum;
+}
 
-  // Backward, last block first: dy in g_, dx back into g_, the LoRA gradients kept.
-  for (size_t i = L; i-- > 0;) {
+void Trainer::backward(const std::function<void(size_t)>& block_grads) {
+  // Last block first: dy in g_, dx back into g_, the LoRA gradients into grads_.
+  for (size_t i = art_.blocks.size(); i-- > 0;) {
     const std::string prog = art_.blocks[i].fn + ".backward";
     HostTensor& x = checkpoints_.backward(i);
     block_.open(art_.path(art_.blocks[i].file));
-    outs = run(prog, static_cast<int>(i), {{"x", ref(x)}, {"dy", ref(g_)}});
+    auto outs = run(prog, static_cast<int>(i), {{"x", ref(x)}, {"dy", ref(g_)}});
     block_.release();
     copy_out(output(outs, prog, "dx"), g_, prog + ": dx");
     for (size_t j = 0; j < lora_[i].size(); ++j) {
@@ -301,9 +315,8 @@ std::optional<double> Trainer::step(const Batch& batch, int64_t k) {
         throw RunnerError(prog + ": grad/" + l.key + " came back as " + shape_str(gr.shape));
       std::memcpy(grads_[j].buf.data(), gr.data, gr.nbytes());
     }
-    update_block(i);
+    block_grads(i);
   }
-  return loss;
 }
 
 }  // namespace mesp

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -19,6 +20,7 @@
 #include "checkpoints.h"
 #include "et_program.h"
 #include "gguf_write.h"
+#include "private.h"
 #include "safetensors.h"
 #include "tensor.h"
 
@@ -41,6 +43,12 @@ class Trainer {
   // One step on `batch`: the mean token loss, or nothing when no token is trained (then no
   // optimizer step). Throws RunnerError on a non-finite loss.
   std::optional<double> step(const Batch& batch, int64_t k);
+  // DP-SGD (private.h; train_private.cpp): call before prepare(). step_private(rows, k) is
+  // step k on its Poisson sample of `rows`: the mean of the sampled rows' own mean losses
+  // (nothing when no sampled row has a trained token; the noise step still runs), with the
+  // sample's size in `sampled`.
+  void enable_dp(const DpPlan& plan);
+  std::optional<double> step_private(const std::vector<Row>& rows, int64_t k, int64_t& sampled);
   // Writes OUT/adapter_model.safetensors, OUT/adapter.gguf (llama.cpp's LoRA file) where the
   // export recorded its form, then OUT/adapter_config.json. Returns "" or the one line that
   // says why there is no adapter.gguf.
@@ -61,6 +69,7 @@ class Trainer {
   struct Lora {
     std::string key;  // e.g. "self_attn.q_proj.lora_A"
     HostTensor p, m, v;
+    HostTensor acc, ex;  // DP-SGD: the step's clipped sum; flat: the example's gradient
   };
 
   std::vector<TensorRef> bind(const std::string& prog, int block,
@@ -78,6 +87,15 @@ class Trainer {
   // not read again this step and the updates are per tensor), so only one block's gradients
   // exist at a time.
   void begin_update();
+  // step(): the forward and the loss (the trained rows' summed loss; dL/dh left in g_), then
+  // the blocks in reverse, `block_grads(i)` called with block i's LoRA gradients in grads_.
+  double forward_loss(const Batch& batch, int64_t k);
+  void backward(const std::function<void(size_t)>& block_grads);
+  // DP-SGD's parts (train_private.cpp): block i's gradients clipped into acc (per-layer) or
+  // kept in ex (flat); flat's one scale at the end of an example; the noisy update.
+  void dp_take_block(size_t i);
+  void dp_flat_done();
+  void dp_update(int64_t k);
   void update_block(size_t i);
   void sample_memory();
   // The loss (train_loss.cpp): the up-front checks of its programs, and one run of the loop
@@ -105,6 +123,8 @@ class Trainer {
   int64_t opt_steps_ = 0;
   int64_t max_lora_numel_ = 0;
   uint64_t peak_anon_ = 0;
+  std::optional<DpPlan> dp_;
+  size_t dp_linears_ = 0;  // K: the adapted linears (A/B pairs) of the whole model
   std::set<std::string> ran_;              // programs run at least once
   std::vector<std::string> memory_events_;  // JSON objects, in order
 };
