@@ -262,3 +262,36 @@ def test_ondevice_paper_table_puts_each_cell_beside_the_papers() -> None:
     assert "| qwen2.5-0.5b | 256 | 32 | 158.2 | not run |" in text
     assert text.count("\n| qwen2.5") == len(PAPER)
     assert paper_table([row("qwen2.5-7b", 256, 8, 1.0)]) == []
+
+
+def test_ondevice_dp_rows_compare_with_the_plain_run_beside_them() -> None:
+    """A DP-SGD row is set against the plain native run of the same command (its "plain"),
+    by honest peak and step time; it is no cell of the paper's table."""
+    from mesp.bench.ondevice_report import paper_table, section
+
+    def native(mb: float, polled: float, s: float) -> dict:
+        return {
+            "median_s": s,
+            "peak_anon_bytes": mb * 1e6,
+            "polled_peak_anon_bytes": polled * 1e6,
+            "poll_period_s": 0.005,
+            "peak_rss_bytes": 300e6,
+            "planned_bytes": {"loss_slice": 50e6},
+        }
+
+    plain = native(110.0, 112.0, 6.0)
+    dp = {
+        "table": "ondevice",
+        "status": "ok",
+        "config": {"shape": "qwen2.5-0.5b", "seq": 256, "bits": 4, "rank": 8, "dp": "flat"},
+        "native": native(140.0, 126.0, 6.6),
+        "engine": {"median_s": 4.0, "peak_rss_bytes": 1.0},
+        "plain": plain,
+        "cpu": "x",
+    }
+    text = "\n".join(section([dp]))
+    assert (
+        "- qwen2.5-0.5b DP-SGD flat: peak anon 140.0 MB against 112.0 MB plain (1.25x), "
+        "6.60 s/step against 6.00 (1.10x), x" in text
+    )
+    assert paper_table([dp]) == []  # no plain row: no cell

@@ -46,6 +46,9 @@ class OndeviceConfig:
     lr: float = 1e-4
     weight_block_kb: int = 0  # mesp export --weight-block-kb (0: whole matrices)
     checkpoints_on_disk: bool = False  # the native runner's --checkpoints-dir (its work dir)
+    # DP-SGD's clipping (per-layer, flat) on the native runner: C 1, σ 1, q = 1 (`batch` rows,
+    # each step all of them, one at a time); None: plain SFT
+    dp: str | None = None
 
     @property
     def export_name(self) -> str:
@@ -60,7 +63,8 @@ class OndeviceConfig:
     @property
     def name(self) -> str:
         """The row's name: the export's, and where the block inputs go if not in memory."""
-        return self.export_name + ("-ckdisk" if self.checkpoints_on_disk else "")
+        name = self.export_name + ("-ckdisk" if self.checkpoints_on_disk else "")
+        return name + (f"-dp-{self.dp}" if self.dp else "")
 
 
 def export_programs(c: OndeviceConfig, art: Path, timeout: float) -> float | None:
@@ -104,7 +108,7 @@ def _program_code() -> str:
 
 
 def rows_file(c: OndeviceConfig, vocab: int, path: Path) -> Path:
-    n = c.steps * c.batch
+    n = c.batch if c.dp else c.steps * c.batch  # DP: q = 1, the same rows every step
     if c.model:
         ids = source_rows(c.model, n, c.seq + 1)
     else:
@@ -144,6 +148,9 @@ def native_argv(c: OndeviceConfig, art: Path, data: Path, out: Path, log: Path) 
     argv = [str(binary()), str(art), "--data", str(data), "--steps", str(c.steps)]
     if c.checkpoints_on_disk:  # a nameless scratch file in the work directory
         argv += ["--checkpoints-dir", str(out.parent)]
+    if c.dp:  # q = 1: --dp-batch is the rows' count (rows_file)
+        argv += ["--dp-clip", "1", "--dp-noise", "1", "--dp-batch", str(c.batch)]
+        argv += ["--dp-clipping", c.dp, "--seed", "0"]
     return argv + ["--lr", repr(c.lr), "--out", str(out), "--json-log", str(log), "--quiet"]
 
 
@@ -207,8 +214,10 @@ def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
 
 
 def run_ondevice(
-    out: Path, c: OndeviceConfig, cmd: str, timeout: float = 3600.0
+    out: Path, c: OndeviceConfig, cmd: str, timeout: float = 3600.0, dp: tuple[str, ...] = ()
 ) -> list[dict[str, Any]]:
+    """The plain row, then one per DP-SGD clipping in `dp` (the same export and engine run;
+    each DP row also holds the plain native run it is compared with, as "plain")."""
     work = out / "runs" / f"ondevice-{c.export_name}"
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
@@ -217,18 +226,25 @@ def run_ondevice(
     export_s = export_programs(c, work / "art", timeout)
     native = _native(c, work / "art", work, timeout)
     engine = _engine(c, timeout)
-    row = {
-        "table": "ondevice",
-        "status": "ok",
-        "config": asdict(c),
-        "export_s": export_s,
-        "native": native,
-        "engine": engine,
-        "command": cmd,
-        "cpu": machine(),
-        "load_before": load,
-    }
-    return [write_row(out / "rows" / "ondevice" / f"{c.name}.json", row, line, "ondevice")]
+    rows = []
+    for clipping in (None, *dp):
+        cc = replace(c, dp=clipping)
+        row = {
+            "table": "ondevice",
+            "status": "ok",
+            "config": asdict(cc),
+            "export_s": export_s,
+            "native": native if clipping is None else _native(cc, work / "art", work, timeout),
+            "engine": engine,
+            "command": cmd,
+            "cpu": machine(),
+            "load_before": load,
+        }
+        if clipping is not None:
+            row["plain"] = native
+        path = out / "rows" / "ondevice" / f"{cc.name}.json"
+        rows.append(write_row(path, row, line, "ondevice"))
+    return rows
 
 
 __all__ = ["PAPER_MB", "OndeviceConfig", "label", "line", "run_ondevice", "section"]

@@ -103,7 +103,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"Planned memory per program (MB), {label(r['config'])}: {planned}.")
         if seen:
             lines.append(f"Runner RssAnon (MiB) at each point of step 1: {', '.join(seen)}.")
-    lines += paper_table(ok)
+    lines += dp_lines(ok) + paper_table(ok)
     lines += [
         "Targets (issue 37): peak anon ≤ 100 MB polled from outside with the default export "
         f"(the paper: {PAPER_MB} MB), native step ≤ 1.0× the engine's (both measured in one run, "
@@ -119,7 +119,8 @@ def paper_table(ok: list[dict[str, Any]]) -> list[str]:
     mine: dict[tuple[str, int, int], dict[str, Any]] = {}
     for r in ok:
         c = r["config"]
-        plain = not (c.get("model") or c.get("weight_block_kb") or c.get("checkpoints_on_disk"))
+        special = ("model", "weight_block_kb", "checkpoints_on_disk", "dp")
+        plain = not any(c.get(k) for k in special)
         key = (c["shape"], c["seq"], c.get("rank", 8))
         if plain and key in PAPER:
             mine[key] = r
@@ -147,9 +148,34 @@ def paper_table(ok: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def dp_lines(ok: list[dict[str, Any]]) -> list[str]:
+    """DP-SGD rows against the plain native run measured beside them."""
+    dp = [r for r in ok if r["config"].get("dp") and r.get("plain")]
+    if not dp:
+        return []
+    out = []
+    for r in dp:
+        n, p = r["native"], r["plain"]
+        peak = lambda x: max(x["peak_anon_bytes"], x.get("polled_peak_anon_bytes") or 0)  # noqa: E731
+        out.append(
+            f"- {label(r['config'])}: peak anon {peak(n) / 1e6:.1f} MB against "
+            f"{peak(p) / 1e6:.1f} MB plain ({peak(n) / peak(p):.2f}x), "
+            f"{n['median_s']:.2f} s/step against {p['median_s']:.2f} "
+            f"({n['median_s'] / p['median_s']:.2f}x), {r.get('cpu', 'not recorded')}"
+        )
+    return [
+        "DP-SGD on the runner (C 1, σ 1, every row each step, one row at a time; the plain "
+        "run in the same command):",
+        "",
+        *out,
+        "",
+    ]
+
+
 def label(c: dict[str, Any]) -> str:
     kb = c.get("weight_block_kb", 0)
     what = f"{c['model']} (real)" if c.get("model") else c["shape"]
     shape = what + (f" rank {c['rank']}" if c.get("rank", 8) != 8 else "")
     shape += f" ({kb} KiB weight blocks)" if kb else ""
-    return shape + (" (block inputs on disk)" if c.get("checkpoints_on_disk") else "")
+    shape += " (block inputs on disk)" if c.get("checkpoints_on_disk") else ""
+    return shape + (f" DP-SGD {c['dp']}" if c.get("dp") else "")

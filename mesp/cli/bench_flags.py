@@ -79,6 +79,12 @@ FLAGS: dict[str, dict[str, Any]] = {
         help="the native runner keeps the block inputs in a scratch file (--checkpoints-dir) "
         "instead of in memory",
     ),
+    "dp": dict(
+        type=_words,
+        default=(),
+        help="also run the native runner under DP-SGD with these clippings (per-layer, flat): "
+        "C 1, σ 1, every row each step (q = 1), a row each beside the plain run",
+    ),
     "threads": dict(type=int, default=None, help="torch threads (default: all)"),
     "matmul": dict(
         choices=("auto", "native", "fp32"),

@@ -175,9 +175,8 @@ def run_decode(ns: argparse.Namespace) -> int:
 
 
 def run_ondevice(ns: argparse.Namespace) -> int:
-    """The native ExecuTorch runner against the in-process engine (mesp/bench/ondevice.py):
-    one row per --shapes (random weights) and --models (real GGUF models) entry, for each --seq
-    and --rank given, --steps + 1 steps."""
+    """The native runner against the in-process engine (mesp/bench/ondevice.py): a row per
+    --shapes / --models entry, --seq and --rank (and --dp clipping), --steps + 1 steps."""
     from mesp.bench.ondevice import OndeviceConfig, line, run_ondevice
 
     if ns.steps < 1:
@@ -186,10 +185,12 @@ def run_ondevice(ns: argparse.Namespace) -> int:
         raise MespError(f"--memory-cap must be a positive number of MB, got {ns.memory_cap:g}")
     if ns.weight_block_kb < 0:
         raise MespError("--weight-block-kb must be 0 (whole matrices) or positive")
+    capped = ns.memory_cap is not None or ns.find_cap
+    if set(ns.dp) - {"per-layer", "flat"} or (ns.dp and capped):
+        raise MespError("--dp takes per-layer and/or flat, and runs without a memory cap")
     models = tuple(ns.models or ())
     ns.shapes = ns.shapes or (() if models else ("qwen2.5-0.5b",))
     ns.seq, ns.rank = ns.seq or (256,), ns.rank or (8,)
-    capped = ns.memory_cap is not None or ns.find_cap
     cmd = canonical(ns)
 
     def measure() -> list[dict[str, Any]]:
@@ -205,7 +206,7 @@ def run_ondevice(ns: argparse.Namespace) -> int:
             if capped:
                 rows += run_caps(ns.out, c, cmd, ns.memory_cap, ns.find_cap, ns.timeout)
             else:
-                rows += run_ondevice(ns.out, c, cmd, ns.timeout)
+                rows += run_ondevice(ns.out, c, cmd, ns.timeout, ns.dp)
         return rows
 
     if capped:
