@@ -295,3 +295,11 @@ def test_ondevice_dp_rows_compare_with_the_plain_run_beside_them() -> None:
         "6.60 s/step against 6.00 (1.10x), x" in text
     )
     assert paper_table([dp]) == []  # no plain row: no cell
+    half = dp | {"config": dp["config"] | {"dp": None, "checkpoint_dtype": "float16"}}
+    half["adapter_vs_plain"] = 3.2e-3
+    assert (
+        "- qwen2.5-0.5b (block inputs in float16): peak anon 140.0 MB against 112.0 MB plain "
+        "(1.25x), 6.60 s/step against 6.00 (1.10x), adapter 3.2e-03 of its training move from "
+        "plain's, x" in "\n".join(section([half]))
+    )
+    assert paper_table([half]) == []

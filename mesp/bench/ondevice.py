@@ -49,6 +49,8 @@ class OndeviceConfig:
     # DP-SGD's clipping (per-layer, flat) on the native runner: C 1, σ 1, q = 1 (`batch` rows,
     # each step all of them, one at a time); None: plain SFT
     dp: str | None = None
+    # the runner's --checkpoint-dtype: block inputs kept as computed, or float16 / bfloat16
+    checkpoint_dtype: str = "float32"
 
     @property
     def export_name(self) -> str:
@@ -64,6 +66,7 @@ class OndeviceConfig:
     def name(self) -> str:
         """The row's name: the export's, and where the block inputs go if not in memory."""
         name = self.export_name + ("-ckdisk" if self.checkpoints_on_disk else "")
+        name += f"-ck{self.checkpoint_dtype}" if self.checkpoint_dtype != "float32" else ""
         return name + (f"-dp-{self.dp}" if self.dp else "")
 
 
@@ -151,13 +154,15 @@ def native_argv(c: OndeviceConfig, art: Path, data: Path, out: Path, log: Path) 
     if c.dp:  # q = 1: --dp-batch is the rows' count (rows_file)
         argv += ["--dp-clip", "1", "--dp-noise", "1", "--dp-batch", str(c.batch)]
         argv += ["--dp-clipping", c.dp, "--seed", "0"]
+    if c.checkpoint_dtype != "float32":
+        argv += ["--checkpoint-dtype", c.checkpoint_dtype]
     return argv + ["--lr", repr(c.lr), "--out", str(out), "--json-log", str(log), "--quiet"]
 
 
 def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[str, Any]:
     conf = json.loads((art / "run_config.json").read_text())
     data = rows_file(c, conf["model"]["vocab_size"], work / "rows.jsonl")
-    log, out = work / "native.jsonl", work / "adapter"
+    log, out = work / "native.jsonl", work / f"adapter-{c.name}"
     shutil.rmtree(out, ignore_errors=True)
     argv = native_argv(c, art, data, out, log)
     r = run_polled(argv, timeout)  # RssAnon read from outside every 5 ms, beside its own figure
@@ -179,7 +184,18 @@ def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[st
         "memory_events": memory,
         "planned_bytes": {k: sum(v["planned_bytes"]) for k, v in progs.items()},
         "summary": r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "",
+        "adapter": str(out / "adapter_model.safetensors"),
     }
+
+
+def adapter_difference(got: str, plain: str, init: Path) -> float:
+    """max |got - plain| / max |plain - init| over the adapter's tensors: how far a variant's
+    adapter is from the plain run's, as a share of how far training moved it."""
+    from safetensors.torch import load_file
+
+    a, b, p0 = load_file(got), load_file(plain), load_file(str(init))
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    return diff / max(float((b[k] - p0[k]).abs().max()) for k in b)
 
 
 def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
@@ -214,10 +230,18 @@ def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
 
 
 def run_ondevice(
-    out: Path, c: OndeviceConfig, cmd: str, timeout: float = 3600.0, dp: tuple[str, ...] = ()
+    out: Path,
+    c: OndeviceConfig,
+    cmd: str,
+    timeout: float = 3600.0,
+    dp: tuple[str, ...] = (),
+    checkpoint_dtypes: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    """The plain row, then one per DP-SGD clipping in `dp` (the same export and engine run;
-    each DP row also holds the plain native run it is compared with, as "plain")."""
+    """The plain row, then one per DP-SGD clipping in `dp` and per block-input dtype in
+    `checkpoint_dtypes` (the same export and engine run; each such row also holds the plain
+    native run it is compared with, as "plain", and a dtype row its adapter's difference)."""
+    if set(dp) - {"per-layer", "flat"} or set(checkpoint_dtypes) - {"float16", "bfloat16"}:
+        raise MespError("--dp takes per-layer, flat; --checkpoint-dtype float16, bfloat16")
     work = out / "runs" / f"ondevice-{c.export_name}"
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
@@ -226,22 +250,28 @@ def run_ondevice(
     export_s = export_programs(c, work / "art", timeout)
     native = _native(c, work / "art", work, timeout)
     engine = _engine(c, timeout)
+    variants = [c] + [replace(c, dp=x) for x in dp]
+    variants += [replace(c, checkpoint_dtype=x) for x in checkpoint_dtypes]
     rows = []
-    for clipping in (None, *dp):
-        cc = replace(c, dp=clipping)
+    for cc in variants:
+        n = native if cc is c else _native(cc, work / "art", work, timeout)
         row = {
             "table": "ondevice",
             "status": "ok",
             "config": asdict(cc),
             "export_s": export_s,
-            "native": native if clipping is None else _native(cc, work / "art", work, timeout),
+            "native": n,
             "engine": engine,
             "command": cmd,
             "cpu": machine(),
             "load_before": load,
         }
-        if clipping is not None:
+        if cc is not c:
             row["plain"] = native
+        if cc.checkpoint_dtype != c.checkpoint_dtype:
+            conf = json.loads((work / "art" / "run_config.json").read_text())
+            init = work / "art" / conf["lora"]["init"]
+            row["adapter_vs_plain"] = adapter_difference(n["adapter"], native["adapter"], init)
         path = out / "rows" / "ondevice" / f"{cc.name}.json"
         rows.append(write_row(path, row, line, "ondevice"))
     return rows

@@ -120,7 +120,10 @@ def paper_table(ok: list[dict[str, Any]]) -> list[str]:
     for r in ok:
         c = r["config"]
         special = ("model", "weight_block_kb", "checkpoints_on_disk", "dp")
-        plain = not any(c.get(k) for k in special)
+        plain = not any(c.get(k) for k in special) and c.get("checkpoint_dtype") in (
+            None,
+            "float32",
+        )
         key = (c["shape"], c["seq"], c.get("rank", 8))
         if plain and key in PAPER:
             mine[key] = r
@@ -150,22 +153,25 @@ def paper_table(ok: list[dict[str, Any]]) -> list[str]:
 
 def dp_lines(ok: list[dict[str, Any]]) -> list[str]:
     """DP-SGD rows against the plain native run measured beside them."""
-    dp = [r for r in ok if r["config"].get("dp") and r.get("plain")]
+    dp = [r for r in ok if r.get("plain")]
     if not dp:
         return []
     out = []
     for r in dp:
         n, p = r["native"], r["plain"]
         peak = lambda x: max(x["peak_anon_bytes"], x.get("polled_peak_anon_bytes") or 0)  # noqa: E731
+        diff = r.get("adapter_vs_plain")
         out.append(
             f"- {label(r['config'])}: peak anon {peak(n) / 1e6:.1f} MB against "
             f"{peak(p) / 1e6:.1f} MB plain ({peak(n) / peak(p):.2f}x), "
             f"{n['median_s']:.2f} s/step against {p['median_s']:.2f} "
-            f"({n['median_s'] / p['median_s']:.2f}x), {r.get('cpu', 'not recorded')}"
+            f"({n['median_s'] / p['median_s']:.2f}x)"
+            + (f", adapter {diff:.1e} of its training move from plain's" if diff else "")
+            + f", {r.get('cpu', 'not recorded')}"
         )
     return [
-        "DP-SGD on the runner (C 1, σ 1, every row each step, one row at a time; the plain "
-        "run in the same command):",
+        "Variants on the runner beside the plain run of the same command (DP-SGD: C 1, σ 1, "
+        "every row each step, one row at a time; block inputs in half precision):",
         "",
         *out,
         "",
@@ -178,4 +184,6 @@ def label(c: dict[str, Any]) -> str:
     shape = what + (f" rank {c['rank']}" if c.get("rank", 8) != 8 else "")
     shape += f" ({kb} KiB weight blocks)" if kb else ""
     shape += " (block inputs on disk)" if c.get("checkpoints_on_disk") else ""
+    ck = c.get("checkpoint_dtype", "float32")
+    shape += f" (block inputs in {ck})" if ck != "float32" else ""
     return shape + (f" DP-SGD {c['dp']}" if c.get("dp") else "")

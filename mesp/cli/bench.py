@@ -81,7 +81,7 @@ BENCHES: dict[str, Bench] = {
     "ondevice": Bench(
         "the native ExecuTorch runner against the in-process engine: peak memory, step time",
         ("shapes", "models", "seq", "rank", "steps", "memory_cap", "find_cap", "weight_block_kb")
-        + ("checkpoints_on_disk", "dp"),
+        + ("checkpoints_on_disk", "dp", "checkpoint_dtype"),
         studies.run_ondevice,
         {
             "models": "real GGUF models, e.g. qwen2.5-coder-0.5b",

@@ -85,6 +85,12 @@ FLAGS: dict[str, dict[str, Any]] = {
         help="also run the native runner under DP-SGD with these clippings (per-layer, flat): "
         "C 1, σ 1, every row each step (q = 1), a row each beside the plain run",
     ),
+    "checkpoint_dtype": dict(
+        type=_words,
+        default=(),
+        help="also run the native runner with the block inputs kept in these dtypes (float16, "
+        "bfloat16), a row each beside the plain run, with the adapter's difference from it",
+    ),
     "threads": dict(type=int, default=None, help="torch threads (default: all)"),
     "matmul": dict(
         choices=("auto", "native", "fp32"),

@@ -186,8 +186,8 @@ def run_ondevice(ns: argparse.Namespace) -> int:
     if ns.weight_block_kb < 0:
         raise MespError("--weight-block-kb must be 0 (whole matrices) or positive")
     capped = ns.memory_cap is not None or ns.find_cap
-    if set(ns.dp) - {"per-layer", "flat"} or (ns.dp and capped):
-        raise MespError("--dp takes per-layer and/or flat, and runs without a memory cap")
+    if capped and (ns.dp or ns.checkpoint_dtype):
+        raise MespError("--dp and --checkpoint-dtype run without a memory cap")
     models = tuple(ns.models or ())
     ns.shapes = ns.shapes or (() if models else ("qwen2.5-0.5b",))
     ns.seq, ns.rank = ns.seq or (256,), ns.rank or (8,)
@@ -206,7 +206,7 @@ def run_ondevice(ns: argparse.Namespace) -> int:
             if capped:
                 rows += run_caps(ns.out, c, cmd, ns.memory_cap, ns.find_cap, ns.timeout)
             else:
-                rows += run_ondevice(ns.out, c, cmd, ns.timeout, ns.dp)
+                rows += run_ondevice(ns.out, c, cmd, ns.timeout, ns.dp, ns.checkpoint_dtype)
         return rows
 
     if capped:

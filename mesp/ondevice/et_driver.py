@@ -98,11 +98,14 @@ class Programs:
 class Checkpoints:
     """The block inputs of one step: in memory, or (a directory given) in a nameless scratch
     file there, written in the forward and read back in the backward, as the native runner's
-    --checkpoints-dir. The bytes come back as they went, so the numbers are the same."""
+    --checkpoints-dir. Kept as computed, the bytes come back as they went, so the numbers are
+    the same; `dtype` float16 / bfloat16 keeps each rounded to nearest even (the runner's
+    --checkpoint-dtype, runtime/src/checkpoints.h) and widens it back for the backward."""
 
-    def __init__(self, where: str | None) -> None:
+    def __init__(self, where: str | None, dtype: torch.dtype = torch.float32) -> None:
         self.kept: list[torch.Tensor] = []
         self.file: Any = None
+        self.dtype = dtype
         if where is not None:
             try:
                 self.file = tempfile.TemporaryFile(dir=where, prefix=".mesp-checkpoints-")
@@ -113,23 +116,24 @@ class Checkpoints:
                 ) from None
 
     def put(self, i: int, h: torch.Tensor) -> None:
+        h = h.to(self.dtype)
         if self.file is None:
             if i == 0:
                 self.kept.clear()
             self.kept.append(h)
             return
         self.file.seek(i * h.numel() * h.element_size())
-        self.file.write(h.contiguous().numpy().tobytes())
+        self.file.write(h.contiguous().view(torch.uint8).numpy().tobytes())
 
     def get(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """Block i's input (the backward asks last block first: each is dropped after)."""
         if self.file is None:
             assert len(self.kept) == i + 1
-            return self.kept.pop()
-        n = like.numel() * like.element_size()
+            return self.kept.pop().to(like.dtype)
+        n = like.numel() * self.dtype.itemsize
         self.file.seek(i * n)
         data = bytearray(self.file.read(n))
-        return torch.frombuffer(data, dtype=like.dtype).view(like.shape)
+        return torch.frombuffer(data, dtype=self.dtype).view(like.shape).to(like.dtype)
 
 
 class EtTrainer:
@@ -137,7 +141,8 @@ class EtTrainer:
 
     def __init__(self, art: Artifacts, cfg: RunConfig) -> None:
         self.art, self.cfg, conf = art, cfg, art.conf
-        self.checkpoints = Checkpoints(cfg.checkpoints_dir)  # refused before any program loads
+        dtype = getattr(torch, cfg.checkpoint_dtype)
+        self.checkpoints = Checkpoints(cfg.checkpoints_dir, dtype)  # refused before any program
         self.progs = Programs(art)
         self.loss_spec: dict[str, Any] = conf["executorch"]["loss"]
         init = art._read(conf["lora"]["init"])

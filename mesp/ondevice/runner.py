@@ -207,6 +207,7 @@ class RunConfig:
     weight_decay: float = 0.0
     checkpoints_dir: str | None = None  # block inputs in a scratch file there, not in memory
     dp: Any = None  # DP-SGD: a mesp.ondevice.private.DpPlan, or None
+    checkpoint_dtype: str = "float32"  # block inputs kept as computed, or float16 / bfloat16
 
 
 def write_atomic(path: Path, write: Callable[[str], object]) -> None:
@@ -304,6 +305,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "read back in the backward) instead of in memory: the same numbers, one block's input "
         "resident instead of all of them",
     )
+    p.add_argument(
+        "--checkpoint-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="keep the block inputs as computed (float32, exact) or rounded to float16 / "
+        "bfloat16 (half their memory; the backward recomputes from the rounded input)",
+    )
     private.add_arguments(p)
 
 
@@ -334,6 +342,7 @@ def run(ns: argparse.Namespace, train_fn: Callable[..., Any]) -> int:
         last[0] = now
 
     cfg = RunConfig(ns.steps, ns.lr, ns.optimizer, ns.weight_decay, ns.checkpoints_dir, dp)
+    cfg.checkpoint_dtype = ns.checkpoint_dtype
     trainer, _ = train_fn(art, rows, cfg, log)
     note = save_adapter(trainer, out)
     if note:

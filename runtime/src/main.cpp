@@ -32,6 +32,7 @@ const char* kUsage =
     "usage: mesp-runner DIR --data ROWS.jsonl --steps N --out ADAPTER_DIR\n"
     "                   [--optimizer sgd|adamw] [--lr 1e-4] [--weight-decay 0]\n"
     "                   [--quiet] [--threads N] [--json-log FILE] [--checkpoints-dir DIR]\n"
+    "                   [--checkpoint-dtype float32|float16|bfloat16]  (block inputs kept as)\n"
     "                   [--memory-poll-us 1000]  (0: anon memory sampled between programs only)\n"
     "DP-SGD (each row's gradient clipped, Gaussian noise, the privacy spent printed per step):\n"
     "                   --dp-clip C (--dp-noise SIGMA | --dp-epsilon EPS) [--dp-delta D]\n"
@@ -41,6 +42,7 @@ const char* kUsage =
 
 struct Args {
   std::string dir, data, out, json_log, checkpoints_dir;
+  DType checkpoint_dtype = DType::F32;
   int64_t steps = -1;
   OptimConfig opt;
   bool quiet = false;
@@ -95,7 +97,7 @@ Args parse_args(int argc, char** argv) {
     }
     static const char* kValued[] = {"--data",    "--steps",    "--optimizer",
                                     "--lr",      "--weight-decay", "--out",
-                                    "--threads", "--json-log", "--checkpoints-dir",
+                                    "--threads", "--json-log", "--checkpoints-dir", "--checkpoint-dtype",
                                     "--memory-poll-us"};
     bool known = arg == "--seed" || arg.compare(0, 5, "--dp-") == 0;
     for (const char* k : kValued) known = known || arg == k;
@@ -114,6 +116,12 @@ Args parse_args(int argc, char** argv) {
       a.out = value;
     else if (arg == "--json-log")
       a.json_log = value;
+    else if (arg == "--checkpoint-dtype") {
+      if (value == "float32") a.checkpoint_dtype = DType::F32;
+      else if (value == "float16") a.checkpoint_dtype = DType::F16;
+      else if (value == "bfloat16") a.checkpoint_dtype = DType::BF16;
+      else throw RunnerError("--checkpoint-dtype must be float32, float16 or bfloat16, not '" + value + "'");
+    }
     else if (arg == "--checkpoints-dir") {
       if (value.empty()) throw RunnerError("--checkpoints-dir needs a directory");
       a.checkpoints_dir = value;
@@ -174,7 +182,7 @@ int run(int argc, char** argv) {
   // Everything cheap first: config, file headers, hashes, data, program bindings.
   Artifacts art = load_artifacts(a.dir);
   std::vector<Row> rows = read_rows(a.data, art.seq_len, art.vocab);
-  Trainer trainer(art, a.opt, a.checkpoints_dir);
+  Trainer trainer(art, a.opt, a.checkpoints_dir, a.checkpoint_dtype);
   const std::optional<DpPlan> dp = resolve_dp(a.dp, static_cast<int64_t>(rows.size()), a.steps,
                                               art.batch_size);
   if (dp) trainer.enable_dp(*dp);

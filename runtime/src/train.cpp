@@ -18,7 +18,8 @@ namespace {
 const std::string kPeft = "base_model.model.model.layers.";
 }  // namespace
 
-Trainer::Trainer(const Artifacts& art, OptimConfig opt, const std::string& checkpoint_dir)
+Trainer::Trainer(const Artifacts& art, OptimConfig opt, const std::string& checkpoint_dir,
+                 DType checkpoint_dtype)
     : art_(art), opt_(std::move(opt)) {
   const int64_t B = art.batch_size, S = art.seq_len;
   const IoSpec* h = art.program("embed").output("h");
@@ -105,7 +106,7 @@ Trainer::Trainer(const Artifacts& art, OptimConfig opt, const std::string& check
   for (HostTensor& s : scalars_) s = HostTensor(DType::F32, {});
   h_ = HostTensor(act, act_shape);
   g_ = HostTensor(act, act_shape);
-  checkpoints_.init(art.blocks.size(), act, act_shape, checkpoint_dir);
+  checkpoints_.init(art.blocks.size(), act, act_shape, checkpoint_dir, checkpoint_dtype);
 }
 
 // The inputs of `prog` in its spec's order: `named` (per-call tensors: x, dy, ids, ...) first,

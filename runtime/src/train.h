@@ -37,7 +37,10 @@ class Trainer {
   // Checks every program input against where its data will come from (cheap: headers only).
   // checkpoint_dir: "" keeps the block inputs in memory; else they go to a nameless scratch
   // file there (written in the forward, read back in the backward: two buffers stay resident).
-  Trainer(const Artifacts& art, OptimConfig opt, const std::string& checkpoint_dir = "");
+  // checkpoint_dtype: F32 keeps them as computed; F16 / BF16 stores them rounded
+  // (checkpoints.h).
+  Trainer(const Artifacts& art, OptimConfig opt, const std::string& checkpoint_dir = "",
+          DType checkpoint_dtype = DType::F32);
   // Maps the resident files, reads the initial adapter; call after the cheap checks.
   void prepare(Programs& programs);
   // One step on `batch`: the mean token loss, or nothing when no token is trained (then no
