@@ -97,23 +97,38 @@ def test_the_driver_loads_no_model_code() -> None:
 
 
 def test_the_driver_imports_only_torch_safetensors_executorch_and_its_contract() -> None:
-    from mesp.ondevice import adapter_gguf, contract, kernels
+    """The Python driver of the on-device programs runs without mesp's model code: its
+    modules import one another, two leaves (errors, DP's accountant) and a short list of
+    third-party packages."""
+    import mesp.accountant
+    import mesp.errors
+    from mesp.ondevice import adapter_gguf, contract, kernels, private
 
     seen: set[str] = set()
-    for mod in (runner, et_driver, contract, kernels, adapter_gguf):
+    for mod in (runner, et_driver, contract, kernels, adapter_gguf, private, mesp.accountant):
         tree = ast.parse(Path(mod.__file__).read_text())
         seen |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        seen |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        for n in ast.walk(tree):  # `from mesp.ondevice import private` names the submodule
+            if isinstance(n, ast.ImportFrom) and n.module:
+                subs = {f"{n.module}.{a.name}" for a in n.names}
+                seen |= {m for m in subs if m in sys.modules} or {n.module}
     ours = {m for m in seen if m.split(".")[0] == "mesp"}
     assert ours == {
         "mesp.ondevice.runner",
         "mesp.ondevice.contract",
         "mesp.ondevice.kernels",
         "mesp.ondevice.adapter_gguf",
+        "mesp.ondevice.private",
+        "mesp.accountant",
+        "mesp.errors",
     }
+    leaf = ast.parse(Path(mesp.errors.__file__).read_text())
+    assert not [n for n in ast.walk(leaf) if isinstance(n, ast.Import | ast.ImportFrom)]
     third_party = {m.split(".")[0] for m in seen - ours} - set(sys.stdlib_module_names)
-    # gguf (gguf-py, llama.cpp's own writer): the adapter as llama.cpp's LoRA file
-    assert third_party == {"torch", "safetensors", "executorch", "gguf"}, third_party
+    # gguf (gguf-py, llama.cpp's own writer): the adapter as llama.cpp's LoRA file;
+    # numpy (torch's companion): DP's counter-based generator in uint64;
+    # dp_accounting: DP-SGD's accountant, imported only when a run asks for DP
+    assert third_party == {"torch", "safetensors", "executorch", "gguf", "numpy", "dp_accounting"}
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "mesp"
 # The core: the model, its ops and engines, loading, and the few types they share.
 CORE = {"models", "ops", "engines", "loading", "quant", "config", "errors", "batch", "lora"}
-CORE |= {"atomic_io", "quant_pack"}
+CORE |= {"atomic_io", "quant_pack", "accountant"}
 WINGS = {"bench", "convert", "data", "inference", "memory", "nn", "ondevice", "training"}
 FACADES = {"patch", "runner"}  # public names that re-export a wing
 TOP = {"__init__", "__main__"}
