@@ -96,3 +96,37 @@ def test_bad_checkpoint_dtype_one_line(et_cases, runner_bin, tmp_path: Path) -> 
     r = subprocess.run(argv, capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
     assert "--checkpoint-dtype must be float32, float16 or bfloat16" in r.stderr
+
+
+def test_a_block_input_past_float16s_range_stops_both_drivers_in_one_line(  # type: ignore[no-untyped-def]
+    et_cases, runner_bin, tmp_path: Path
+) -> None:
+    """Embeddings scaled to ~1e6: block 0's input would round to infinity in float16, and the
+    backward would turn the adapter into NaN. Both drivers stop before the backward, in the
+    same one line, with no adapter written."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    case = et_cases("qwen2", "q4")
+    big = tmp_path / "big"
+    shutil.copytree(case.dir, big)
+    with safe_open(big / "embedding.safetensors", "pt") as f:  # keep its export id
+        meta, emb = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    emb = {k: v * 1e7 if v.dtype == torch.float32 else v for k, v in emb.items()}
+    save_file(emb, big / "embedding.safetensors", metadata=meta)
+    cfg = runner.RunConfig(2, 0.05, "sgd", checkpoint_dtype="float16")
+    with pytest.raises(runner.RunnerError) as e:
+        et_driver.train(runner.Artifacts(big), T._rows(), cfg)
+    expected = str(e.value)
+    assert expected.startswith("--checkpoint-dtype float16: block 0's input reaches ")
+    assert expected.endswith(
+        "past float16's largest (65504); use bfloat16 or float32; no adapter written"
+    )
+    data = T._write_jsonl(tmp_path / "rows.jsonl", T._rows())
+    out = tmp_path / "a"
+    argv = [str(runner_bin), str(big), "--data", str(data), "--steps", "2", "--out", str(out)]
+    r = subprocess.run([*argv, "--checkpoint-dtype", "float16"], capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert expected in r.stderr and not out.exists()

@@ -116,7 +116,17 @@ class Checkpoints:
                 ) from None
 
     def put(self, i: int, h: torch.Tensor) -> None:
-        h = h.to(self.dtype)
+        full, h = h, h.to(self.dtype)
+        if h.dtype != full.dtype and bool((h.isinf() & full.isfinite()).any()):
+            name = str(self.dtype).removeprefix("torch.")
+            top = float(full[full.isfinite()].abs().max())
+            limit, use = {"float16": ("65504", "bfloat16 or float32")}.get(
+                name, ("3.39e38", "float32")
+            )
+            raise RunnerError(
+                f"--checkpoint-dtype {name}: block {i}'s input reaches {top:.4g}, past {name}'s "
+                f"largest ({limit}); use {use}; no adapter written"
+            )
         if self.file is None:
             if i == 0:
                 self.kept.clear()

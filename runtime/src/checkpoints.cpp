@@ -1,5 +1,9 @@
 #include "checkpoints.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
 #include "error.h"
 #include "half.h"
 
@@ -26,6 +30,20 @@ void Checkpoints::init(size_t blocks, DType dtype, const Shape& shape, const std
                       why + ")");
 }
 
+void Checkpoints::overflow_error(size_t i, const float* v, int64_t n) const {
+  float top = 0;
+  for (int64_t k = 0; k < n; ++k)
+    if (std::isfinite(v[k])) top = std::max(top, std::fabs(v[k]));
+  const bool f16 = store_ == DType::F16;
+  char msg[256];
+  std::snprintf(msg, sizeof msg,
+                "--checkpoint-dtype %s: block %zu's input reaches %.4g, past %s's largest (%s); "
+                "use %s; no adapter written",
+                f16 ? "float16" : "bfloat16", i, top, f16 ? "float16" : "bfloat16",
+                f16 ? "65504" : "3.39e38", f16 ? "bfloat16 or float32" : "float32");
+  throw RunnerError(msg);
+}
+
 HostTensor& Checkpoints::forward(size_t i) { return bufs_[staged() ? i % 2 : i]; }
 
 void Checkpoints::keep(size_t i) {
@@ -37,8 +55,12 @@ void Checkpoints::keep(size_t i) {
     uint16_t* dst = file_.is_open() ? row_.data() : half_[i].data();
     const float* v = reinterpret_cast<const float*>(x.buf.data());
     const bool f16 = store_ == DType::F16;
-    for (int64_t k = 0, n = x.numel(); k < n; ++k)
+    bool overflow = false;  // a finite input that rounds to infinity would poison the backward
+    for (int64_t k = 0, n = x.numel(); k < n; ++k) {
       dst[k] = f16 ? half_from_float(v[k]) : bf16_from_float(v[k]);
+      overflow |= (dst[k] & 0x7FFFu) == (f16 ? 0x7C00u : 0x7F80u) && std::isfinite(v[k]);
+    }
+    if (overflow) overflow_error(i, v, x.numel());
     if (!file_.is_open()) return;
     src = dst;
     nbytes = row_.size() * sizeof(uint16_t);

@@ -5,7 +5,8 @@
 // bytes go and come back unchanged: the numbers do not change. --checkpoint-dtype float16 /
 // bfloat16 stores each block input rounded to nearest even (torch's .to(dtype)), half the
 // bytes, and widens it back for the backward: the forward and the loss are unchanged, the
-// backward recomputes from the rounded input (docs/ondevice.md states the difference).
+// backward recomputes from the rounded input (docs/ondevice.md states the difference). A
+// finite input past the half type's range stops the run in one line (no adapter written).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,7 @@ class Checkpoints {
   HostTensor& backward(size_t i);
 
  private:
+  [[noreturn]] void overflow_error(size_t i, const float* v, int64_t n) const;
   bool staged() const { return file_.is_open() || store_ != DType::F32; }
   std::vector<HostTensor> bufs_;  // one per block; staged (disk or half): two, used in turn
   std::vector<std::vector<uint16_t>> half_;  // half storage in memory, one per block
