@@ -102,10 +102,11 @@ def test_the_driver_imports_only_torch_safetensors_executorch_and_its_contract()
     third-party packages."""
     import mesp.accountant
     import mesp.errors
-    from mesp.ondevice import adapter_gguf, contract, kernels, private
+    from mesp.ondevice import adapter_gguf, contract, kernels, private, run_files
 
     seen: set[str] = set()
-    for mod in (runner, et_driver, contract, kernels, adapter_gguf, private, mesp.accountant):
+    mods = (runner, run_files, et_driver, contract, kernels, adapter_gguf, private)
+    for mod in (*mods, mesp.accountant):
         tree = ast.parse(Path(mod.__file__).read_text())
         seen |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         for n in ast.walk(tree):  # `from mesp.ondevice import private` names the submodule
@@ -119,6 +120,7 @@ def test_the_driver_imports_only_torch_safetensors_executorch_and_its_contract()
         "mesp.ondevice.kernels",
         "mesp.ondevice.adapter_gguf",
         "mesp.ondevice.private",
+        "mesp.ondevice.run_files",
         "mesp.accountant",
         "mesp.errors",
     }

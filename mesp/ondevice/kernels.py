@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from mesp.ondevice.runner import write_atomic
+from mesp.ondevice.run_files import write_atomic
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
 # as the wheel's CMake package asks (runtime/CMakeLists.txt: MESP_ET_DEFINITIONS)
