@@ -1,5 +1,5 @@
 """mesp::gated_act / gated_act_dgate / gated_act_dup: the MLP's gated activation and its backward
-as ExecuTorch kernels (mesp/ondevice/qmatmul.cpp, defined for the export in
+as ExecuTorch kernels (mesp/ondevice/gated_act.cpp, defined for the export in
 mesp/ops/gated_kernel.py), against the written-out formulas they replace, on the runtime.
 
 - Values: each kernel equals the engine's eager op (mesp.ops.mlp: ATen's silu / gelu and their

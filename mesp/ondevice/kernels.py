@@ -1,12 +1,12 @@
-"""mesp's ExecuTorch kernels (qmatmul.cpp: mesp::qlinear.out, mesp::qmatmul.out and the gated
-activation's mesp::gated_act*.out) for the Python driver: built once per machine with the C++
-compiler against the executorch package, cached, and loaded into the process before any program
-(its static initializer registers the kernels in the libexecutorch.so that the executorch
-pybindings share). The native runner compiles the same file in (runtime/CMakeLists.txt).
+"""mesp's ExecuTorch kernels (qmatmul.cpp: mesp::qlinear.out and qmatmul.out; gated_act.cpp:
+the gated activation's mesp::gated_act*.out) for the Python driver: built once per machine with
+the C++ compiler against the executorch package, cached, and loaded into the process before any
+program (its static initializer registers the kernels in the libexecutorch.so that the executorch
+pybindings share). The native runner compiles the same files in (runtime/CMakeLists.txt).
 
 Light on purpose: the Python driver imports this, and it loads no model code. The library sits
 under ``$MESP_CACHE_DIR`` (default ``~/.cache/mesp``) in ``kernels/``, named by a hash of the
-source, the compiler and the executorch package it links, so an edited kernel builds anew.
+sources, the compiler and the executorch package it links, so an edited kernel builds anew.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mesp.ondevice.run_files import write_atomic
 
-SOURCE = Path(__file__).with_name("qmatmul.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.cpp", "gated_act.cpp"))
 # as the wheel's CMake package asks (runtime/CMakeLists.txt: MESP_ET_DEFINITIONS)
 DEFINES = ("C10_USING_CUSTOM_GENERATED_MACROS", "ET_EVENT_TRACER_ENABLED", "ET_USE_THREADPOOL")
 LIBS = ("executorch", "executorch_backend_xnnpack", "executorch_threadpool")
@@ -56,13 +56,13 @@ def _command(cxx: str, root: Path, out: str) -> list[str]:
         cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off",
         *(f"-D{d}" for d in DEFINES),
         f"-I{inc}", f"-I{inc}/executorch/runtime/core/portable_type/c10",
-        str(SOURCE), f"-L{root / 'lib'}", *(f"-l{lib}" for lib in LIBS),
+        *map(str, SOURCES), f"-L{root / 'lib'}", *(f"-l{lib}" for lib in LIBS),
         f"-Wl,-rpath,{root / 'lib'}", "-o", out,
     ]  # fmt: skip
 
 
 def library_path(root: Path, cxx: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
     key.update(" ".join(_command(cxx, root, "")).encode())
     key.update(importlib.metadata.version("executorch").encode())
     base = os.environ.get("MESP_CACHE_DIR") or str(Path.home() / ".cache" / "mesp")
@@ -84,16 +84,16 @@ def build() -> Path:
                 _command(cxx, root, tmp), capture_output=True, text=True, timeout=300
             )
         except (OSError, subprocess.SubprocessError) as e:
-            raise KernelError(f"building {SOURCE.name} failed: {e}") from None
+            raise KernelError(f"building mesp's kernels failed: {e}") from None
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise KernelError(f"building {SOURCE.name} failed: {last}")
+            raise KernelError(f"building mesp's kernels failed: {last}")
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, compile_into)
     except OSError as e:  # the cache directory cannot be written
-        raise KernelError(f"building {SOURCE.name} failed: {e}") from None
+        raise KernelError(f"building mesp's kernels failed: {e}") from None
     return target
 
 

@@ -9,7 +9,7 @@ ExecuTorch has no kernel for ATen's fused silu_backward / gelu_backward, so the 
 the gradients out in elementwise ops (mesp.ops.mlp._written_out): a chain of (tokens ×
 intermediate) temporaries, σ(g), g·σ(g), 1 − σ(g), …, five MB each at seq 256 on Qwen2.5-0.5B,
 held in the planned arena or in XNNPACK's workspace. The runtimes' kernels
-(mesp/ondevice/qmatmul.cpp) compute each output in one pass, value by value in the order of
+(mesp/ondevice/gated_act.cpp) compute each output in one pass, value by value in the order of
 operations of the ATen kernels the engine runs (mesp.ops.mlp.gated_act / gated_act_backward:
 silu, silu_backward, gelu and gelu_backward with tanh), so only the output is allocated and the
 values are the engine's but for libm's exp / tanh against SLEEF's. Here each op's reference is
