@@ -1,8 +1,9 @@
-"""mesp's ExecuTorch kernels (qmatmul.cpp: mesp::qlinear.out and qmatmul.out; gated_act.cpp:
-the gated activation's mesp::gated_act*.out) for the Python driver: built once per machine with
-the C++ compiler against the executorch package, cached, and loaded into the process before any
-program (its static initializer registers the kernels in the libexecutorch.so that the executorch
-pybindings share). The native runner compiles the same files in (runtime/CMakeLists.txt).
+"""mesp's ExecuTorch kernels (qmatmul.cpp: mesp::qlinear.out, qmatmul.out and their _add forms;
+gated_act.cpp: the gated activation's mesp::gated_act*.out) for the Python driver: built once per
+machine with the C++ compiler against the executorch package, cached, and loaded into the
+process before any program (its static initializer registers the kernels in the libexecutorch.so
+that the executorch pybindings share). The native runner compiles the same files in
+(runtime/CMakeLists.txt).
 
 Light on purpose: the Python driver imports this, and it loads no model code. The library sits
 under ``$MESP_CACHE_DIR`` (default ``~/.cache/mesp``) in ``kernels/``, named by a hash of the

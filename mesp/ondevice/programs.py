@@ -198,6 +198,9 @@ def _linear(bs: BlockSpec, name: str, x: Tensor, w: Tensors, lora: Tensors) -> T
     order (the lowering writes addmm out as mm, mul and add: see mesp.ondevice.lower)."""
     ws = bs.lin(name)
     src = base(w, ws)
+    if isinstance(src, PackedKernel) and ws.lora_scale is not None and not ws.bias:
+        a, b = lora[f"{ws.prefix}.lora_A"], lora[f"{ws.prefix}.lora_B"]
+        return src.linear_add(x, F.linear(x, a), b, ws.lora_scale)  # the addmm in the kernel
     y = src.linear(x) if isinstance(src, PackedKernel | TracedBlocks) else F.linear(x, src(x.dtype))
     if ws.bias:
         y = y + w[f"{ws.prefix}.bias"]

@@ -4,6 +4,8 @@
 //
 //   qlinear  y (M, N) = x (M, K) Wᵀ     W (N, K) dequantized a block of rows at a time
 //   qmatmul  dx (M, K) = dy (M, N) W    W dequantized a block of whole groups of columns at a time
+//   qlinear_add / qmatmul_add: the same with a LoRA term added block by block (y += s·h Bᵀ,
+//   dx += gh A), so a LoRA linear's output is the only (M, N) tensor its product makes
 //
 // W is stored as mesp.quant.packed_bytes: bytes (N, K·bits/8), each row a little-endian bit
 // stream with value c at bits bits·c .. bits·c + bits − 1 (4 bits: byte c/2, low nibble first;
@@ -202,28 +204,107 @@ void* block_buffer(size_t bytes) {
 
 }  // namespace
 
-namespace mesp_kernels {
+namespace {
 
-// y (..., N) = x (..., K) Wᵀ: W in blocks of whole rows (output columns of y)
-Tensor& qlinear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
+// The LoRA term a product may add to its output: out += alpha · (a bᵀ) for qlinear, with b laid
+// out like W (N, r), or out += alpha · (a b) for qmatmul, with b (r, K) like W's columns. a is
+// (M, r) (the leading dims of x or dy). For each block of W's output columns the term's own block
+// is formed by XNNPACK's fully-connected operator into `part` (M × cols) and added value by value,
+// scaled first where alpha != 1: the mm, mul and add the lowering writes an addmm as, in the
+// same order, on a block of the output instead of a whole (M, N) product and its scaled copy.
+struct Addend {
+  const float* a = nullptr;  // (M, r)
+  const float* b = nullptr;  // qlinear (N, r), qmatmul (r, K)
+  int64_t r = 0, b_cols = 0;  // b_cols: b's row length (r for qlinear, K for qmatmul)
+  float alpha = 1.0f;
+};
+
+struct AddPart {  // y[i, 0:cols] (row stride ys) += alpha · part[i, 0:cols]
+  float* y;
+  const float* part;
+  size_t ys, cols;
+  float alpha;
+};
+
+void add_part_row(void* ctx, size_t i) {
+  const auto* c = static_cast<const AddPart*>(ctx);
+  float* y = c->y + i * c->ys;
+  const float* p = c->part + i * c->cols;
+  if (c->alpha == 1.0f) {
+    for (size_t j = 0; j < c->cols; ++j) y[j] = y[j] + p[j];
+  } else {
+    for (size_t j = 0; j < c->cols; ++j) y[j] = y[j] + c->alpha * p[j];
+  }
+}
+
+using Buffer = std::unique_ptr<float, decltype(&std::free)>;
+
+Buffer buffer(size_t floats) {
+  return Buffer(static_cast<float*>(block_buffer(4 * std::max<size_t>(floats, 1))), &std::free);
+}
+
+// out columns c0:c0+cols of every row (row stride ys) += the addend's block for those columns;
+// kbuf holds the addend's matrix block (with slack), part the block of the product
+bool add_block(const Addend& ad, bool linear, size_t m, int64_t c0, int64_t cols, float* y,
+               size_t ys, float* kbuf, float* part, ::pthreadpool* pool, const Spare& spare) {
+  if (linear) {  // b rows c0:c0+cols, (cols, r): the operator's (out, in) kernel
+    std::memcpy(kbuf, ad.b + c0 * ad.r, 4 * size_t(cols * ad.r));
+  } else {  // b columns c0:c0+cols, (r, cols): an (in, out) kernel
+    for (int64_t i = 0; i < ad.r; ++i)
+      std::memcpy(kbuf + i * cols, ad.b + i * ad.b_cols + c0, 4 * size_t(cols));
+  }
+  if (!fully_connected(ad.a, m, size_t(ad.r), size_t(ad.r), kbuf, size_t(cols),
+                       linear ? 0 : kTransposeWeights, part, size_t(cols), pool, spare))
+    return false;
+  AddPart c{y + c0, part, ys, size_t(cols), ad.alpha};
+  pthreadpool_parallelize_1d(pool, add_part_row, &c, m, 0);
+  return true;
+}
+
+// the addend's tensors against the product's: a (..., r) with M rows, b as Addend says
+bool addend_of(KernelRuntimeContext& ctx, bool linear, const Packed& w, size_t m,
+               const Tensor& a, const Tensor& b, double alpha, Addend* ad) {
+  const int64_t r = a.dim() >= 1 ? a.size(a.dim() - 1) : 0;
+  const bool ok = a.scalar_type() == ScalarType::Float && b.scalar_type() == ScalarType::Float &&
+                  r > 0 && size_t(a.numel()) == m * size_t(r) && b.dim() == 2 &&
+                  (linear ? b.size(0) == w.n && b.size(1) == r
+                          : b.size(0) == r && b.size(1) == w.k);
+  if (!ok) {
+    ET_LOG(Error, "mesp::q%s_add: the added term's shapes or dtypes do not fit",
+           linear ? "linear" : "matmul");
+    ctx.fail(Error::InvalidArgument);
+    return false;
+  }
+  *ad = {a.const_data_ptr<float>(), b.const_data_ptr<float>(), r, b.size(1), float(alpha)};
+  return true;
+}
+
+// y (..., N) = x (..., K) Wᵀ [+ alpha · a Bᵀ]: W in blocks of whole rows (output columns of y)
+Tensor& linear_impl(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
                     const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
-                    Tensor& out) {
+                    const Tensor* a, const Tensor* b, double alpha, Tensor& out) {
   Packed w{};
   if (!checked(ctx, true, x, wq, scales, biases, bits, group, out, &w)) return out;
+  const size_t m = size_t(x.numel() / w.k);
+  Addend ad{};
+  if (a != nullptr && !addend_of(ctx, true, w, m, *a, *b, alpha, &ad)) return out;
   xnn_initialize(nullptr);
   auto* pool = executorch::extension::threadpool::get_pthreadpool();
-  const size_t m = size_t(x.numel() / w.k);
   const int64_t step = std::max<int64_t>(1, int64_t(kBlockBytes / (4 * size_t(w.k))));
-  std::unique_ptr<float, decltype(&std::free)> buf(
-      static_cast<float*>(block_buffer(4 * size_t(std::min(step, w.n) * w.k))), &std::free);
+  const int64_t most = std::min(step, w.n);
+  Buffer buf = buffer(size_t(most * w.k));
+  Buffer kbuf = buffer(a ? size_t(most * ad.r) : 0), part = buffer(a ? m * size_t(most) : 0);
   const Spare spare(x.const_data_ptr<float>(), m, size_t(w.k));
+  const Spare spare_a(ad.a, a ? m : 0, size_t(ad.r));
   float* y = out.mutable_data_ptr<float>();
   for (int64_t r0 = 0; r0 < w.n && m > 0; r0 += step) {
     const int64_t rows = std::min(step, w.n - r0);
     Fill f{&w, buf.get(), r0, 0, w.k};
     pthreadpool_parallelize_1d(pool, fill_rows, &f, size_t(rows), 0);
     if (!fully_connected(x.const_data_ptr<float>(), m, size_t(w.k), size_t(w.k), buf.get(),
-                         size_t(rows), 0, y + r0, size_t(w.n), pool, spare)) {
+                         size_t(rows), 0, y + r0, size_t(w.n), pool, spare) ||
+        (a != nullptr && !add_block(ad, true, m, r0, rows, y, size_t(w.n), kbuf.get(),
+                                    part.get(), pool, spare_a))) {
       ET_LOG(Error, "mesp::qlinear: XNNPACK's fully-connected operator failed");
       ctx.fail(Error::Internal);
       return out;
@@ -232,33 +313,66 @@ Tensor& qlinear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq
   return out;
 }
 
-// dx (..., K) = dy (..., N) W: W in blocks of whole groups of columns (output columns of dx)
-Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
+// dx (..., K) = dy (..., N) W [+ alpha · a A]: W in blocks of whole groups of columns
+Tensor& matmul_impl(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
                     const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
-                    Tensor& out) {
+                    const Tensor* a, const Tensor* b, double alpha, Tensor& out) {
   Packed w{};
   if (!checked(ctx, false, dy, wq, scales, biases, bits, group, out, &w)) return out;
+  const size_t m = size_t(dy.numel() / w.n);
+  Addend ad{};
+  if (a != nullptr && !addend_of(ctx, false, w, m, *a, *b, alpha, &ad)) return out;
   xnn_initialize(nullptr);
   auto* pool = executorch::extension::threadpool::get_pthreadpool();
-  const size_t m = size_t(dy.numel() / w.n);
   const int64_t per = int64_t(kBlockBytes / (4 * size_t(w.n))) / group * group;
   const int64_t step = std::min(std::max(group, per), w.k);
-  std::unique_ptr<float, decltype(&std::free)> buf(
-      static_cast<float*>(block_buffer(4 * size_t(step * w.n))), &std::free);
+  Buffer buf = buffer(size_t(step * w.n));
+  Buffer kbuf = buffer(a ? size_t(step * ad.r) : 0), part = buffer(a ? m * size_t(step) : 0);
   const Spare spare(dy.const_data_ptr<float>(), m, size_t(w.n));
+  const Spare spare_a(ad.a, a ? m : 0, size_t(ad.r));
   float* dx = out.mutable_data_ptr<float>();
   for (int64_t c0 = 0; c0 < w.k && m > 0; c0 += step) {
     const int64_t cols = std::min(step, w.k - c0);
     Fill f{&w, buf.get(), 0, c0, c0 + cols};
     pthreadpool_parallelize_1d(pool, fill_cols, &f, size_t(w.n), 0);
     if (!fully_connected(dy.const_data_ptr<float>(), m, size_t(w.n), size_t(w.n), buf.get(),
-                         size_t(cols), kTransposeWeights, dx + c0, size_t(w.k), pool, spare)) {
+                         size_t(cols), kTransposeWeights, dx + c0, size_t(w.k), pool, spare) ||
+        (a != nullptr && !add_block(ad, false, m, c0, cols, dx, size_t(w.k), kbuf.get(),
+                                    part.get(), pool, spare_a))) {
       ET_LOG(Error, "mesp::qmatmul: XNNPACK's fully-connected operator failed");
       ctx.fail(Error::Internal);
       return out;
     }
   }
   return out;
+}
+
+}  // namespace
+
+namespace mesp_kernels {
+
+Tensor& qlinear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
+                    const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
+                    Tensor& out) {
+  return linear_impl(ctx, x, wq, scales, biases, bits, group, nullptr, nullptr, 1.0, out);
+}
+
+Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
+                    const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
+                    Tensor& out) {
+  return matmul_impl(ctx, dy, wq, scales, biases, bits, group, nullptr, nullptr, 1.0, out);
+}
+
+Tensor& qlinear_add_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
+                        const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
+                        const Tensor& a, const Tensor& b, double alpha, Tensor& out) {
+  return linear_impl(ctx, x, wq, scales, biases, bits, group, &a, &b, alpha, out);
+}
+
+Tensor& qmatmul_add_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
+                        const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
+                        const Tensor& a, const Tensor& b, double alpha, Tensor& out) {
+  return matmul_impl(ctx, dy, wq, scales, biases, bits, group, &a, &b, alpha, out);
 }
 
 }  // namespace mesp_kernels
@@ -275,3 +389,5 @@ extern "C" int mesp_fully_connected_f32(const float* in, size_t m, size_t k, con
 
 EXECUTORCH_LIBRARY(mesp, "qlinear.out", mesp_kernels::qlinear_out);
 EXECUTORCH_LIBRARY(mesp, "qmatmul.out", mesp_kernels::qmatmul_out);
+EXECUTORCH_LIBRARY(mesp, "qlinear_add.out", mesp_kernels::qlinear_add_out);
+EXECUTORCH_LIBRARY(mesp, "qmatmul_add.out", mesp_kernels::qmatmul_add_out);

@@ -106,7 +106,10 @@ def _lora_terms(
 def _lora_dx(dy: Tensor, x: Tensor, base: WeightSource, A: Tensor, gh: Tensor) -> Tensor:
     """dx = dy W + gh A, in x.dtype (W dropped after its one product)."""
     cd = x.dtype
-    dx = base_matmul(dy.reshape(-1, dy.shape[-1]).to(cd), base)  # (N, out)(out, in)
+    dy2 = dy.reshape(-1, dy.shape[-1]).to(cd)
+    if isinstance(base, PackedKernel):  # a program's kernel op: the addmm_ inside the product
+        return base.matmul_add(dy2, gh.to(cd), A.to(cd)).view(x.shape)
+    dx = base_matmul(dy2, base)  # (N, out)(out, in)
     addmm_(dx, gh.to(cd), A.to(cd))  # (N, r)(r, in)
     return dx.view(x.shape)
 

@@ -2,6 +2,11 @@
 op each, for the on-device programs (mesp export).
 
   qlinear(x (..., K), W) -> x Wᵀ (..., N)      qmatmul(dy (..., N), W) -> dy W (..., K)
+  qlinear_add(x, W, a, B, s) -> x Wᵀ + s·a Bᵀ   qmatmul_add(dy, W, a, A, s) -> dy W + s·a A
+
+The _add forms are a LoRA linear's forward (a = h = x Aᵀ, B (N, r)) and its dx (a = gh, A
+(r, K), s = 1): the addmm a program would otherwise run as mm, mul and add over a second and a
+third (tokens × N) tensor is added inside the kernel, block by block, in the same order.
 
 W (N, K) is given as mesp.quant.packed_bytes (uint8, 4, 5, 6 or 8 bits) with its fp32 scales and
 biases (N, K/g). In a graph that dequantizes W with ATen ops, the whole fp32 matrix sits in the
@@ -29,9 +34,15 @@ from mesp.quant import QuantSpec, dequantize_core_aten
 
 _ARGS = "Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size"
 _LIB = torch.library.Library("mesp", "DEF")
-for _op in ("qlinear", "qmatmul"):
-    _LIB.define(f"{_op}({_ARGS}) -> Tensor")
-    _LIB.define(f"{_op}.out({_ARGS}, *, Tensor(a!) out) -> Tensor(a!)")
+_ADD = f"{_ARGS}, Tensor a, Tensor b, float alpha"
+for _op, _args in (
+    ("qlinear", _ARGS),
+    ("qmatmul", _ARGS),
+    ("qlinear_add", _ADD),
+    ("qmatmul_add", _ADD),
+):
+    _LIB.define(f"{_op}({_args}) -> Tensor")
+    _LIB.define(f"{_op}.out({_args}, *, Tensor(a!) out) -> Tensor(a!)")
 
 
 def _dense(
@@ -48,29 +59,67 @@ def _qmatmul(dy: Tensor, wq: Tensor, sc: Tensor, bi: Tensor, bits: int, group: i
     return dy @ _dense(wq, sc, bi, bits, group, dy.dtype)
 
 
-Product = Callable[[Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
+def _plus(y: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """y + alpha · a b as the lowering writes an addmm: mm, mul (where alpha != 1), add."""
+    p = a.reshape(-1, a.shape[-1]) @ b
+    if alpha != 1:
+        p = p * alpha
+    return y + p.view(y.shape)
 
 
-def _out(fn: Product) -> Callable[..., Tensor]:  # the .out overload of a functional reference
-    def run(
-        x: Tensor, wq: Tensor, sc: Tensor, bi: Tensor, bits: int, group: int, *, out: Tensor
-    ) -> Tensor:
-        y = fn(x, wq, sc, bi, bits, group)
+def _qlinear_add(
+    x: Tensor,
+    wq: Tensor,
+    sc: Tensor,
+    bi: Tensor,
+    bits: int,
+    group: int,
+    a: Tensor,
+    b: Tensor,
+    alpha: float,
+) -> Tensor:
+    return _plus(_qlinear(x, wq, sc, bi, bits, group), a, b.t(), alpha)
+
+
+def _qmatmul_add(
+    dy: Tensor,
+    wq: Tensor,
+    sc: Tensor,
+    bi: Tensor,
+    bits: int,
+    group: int,
+    a: Tensor,
+    b: Tensor,
+    alpha: float,
+) -> Tensor:
+    return _plus(_qmatmul(dy, wq, sc, bi, bits, group), a, b, alpha)
+
+
+def _out(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:  # the .out overload of a reference
+    def run(*args: object, out: Tensor) -> Tensor:
+        y = fn(*args)
         out.resize_(y.shape)
         return out.copy_(y)
 
     return run
 
 
-def _meta(linear: bool) -> Product:
-    def run(x: Tensor, wq: Tensor, sc: Tensor, bi: Tensor, bits: int, group: int) -> Tensor:
+def _meta(linear: bool) -> Callable[..., Tensor]:
+    def run(
+        x: Tensor, wq: Tensor, sc: Tensor, bi: Tensor, bits: int, group: int, *_: object
+    ) -> Tensor:
         width = wq.shape[0] if linear else wq.shape[1] * 8 // bits
         return x.new_empty((*x.shape[:-1], width))
 
     return run
 
 
-for _op, _fn, _lin in (("qlinear", _qlinear, True), ("qmatmul", _qmatmul, False)):
+for _op, _fn, _lin in (
+    ("qlinear", _qlinear, True),
+    ("qmatmul", _qmatmul, False),
+    ("qlinear_add", _qlinear_add, True),
+    ("qmatmul_add", _qmatmul_add, False),
+):
     _LIB.impl(_op, _fn, "CompositeExplicitAutograd")
     _LIB.impl(f"{_op}.out", _out(_fn), "CompositeExplicitAutograd")
     _LIB.impl(_op, _meta(_lin), "Meta")
@@ -100,8 +149,21 @@ class PackedKernel:
         """dy (..., out) W."""
         return torch.ops.mesp.qmatmul(dy, *self._args())
 
+    def linear_add(self, x: Tensor, h: Tensor, b: Tensor, alpha: float) -> Tensor:
+        """x (..., in) Wᵀ + alpha · h (..., r) bᵀ, b (out, r): a LoRA linear's output."""
+        return torch.ops.mesp.qlinear_add(x, *self._args(), h, b, alpha)
+
+    def matmul_add(self, dy: Tensor, g: Tensor, a: Tensor, alpha: float = 1.0) -> Tensor:
+        """dy (..., out) W + alpha · g (..., r) a, a (r, in): a LoRA linear's dx."""
+        return torch.ops.mesp.qmatmul_add(dy, *self._args(), g, a, alpha)
+
 
 KERNEL_BITS = (4, 5, 6, 8)  # the packings mesp/ondevice/qmatmul.cpp reads
-KERNEL_OPS = ("mesp::qlinear.out", "mesp::qmatmul.out")  # the kernels a runtime must register
+KERNEL_OPS = (  # the kernels a runtime must register
+    "mesp::qlinear.out",
+    "mesp::qmatmul.out",
+    "mesp::qlinear_add.out",
+    "mesp::qmatmul_add.out",
+)
 
 __all__ = ["KERNEL_BITS", "KERNEL_OPS", "PackedKernel"]
