@@ -59,7 +59,8 @@ def test_kernels_equal_the_engines_ops(act: str) -> None:
 
 def test_the_backward_plans_only_its_outputs() -> None:
     """Portable kernels (no delegate), so every tensor a program holds is in its plan: with the
-    kernels the MLP's backward plans its two outputs; written out, at least three more."""
+    kernels the MLP's backward plans its two outputs; written out, at least two more (the
+    memory-frugal op order of mesp.ondevice.memory_plan included)."""
     one = torch.finfo(torch.float32).bits // 8 * torch.Size(SHAPE).numel()
 
     def fused(d: Named) -> Named:
@@ -74,6 +75,6 @@ def test_the_backward_plans_only_its_outputs() -> None:
     (kg, ku), low_k = _execute(fused, args, ["dg", "du"], delegate=False)
     (wg, wu), low_w = _execute(written, args, ["dg", "du"], delegate=False)
     assert sum(low_k.planned) <= 2 * one + 4096
-    assert sum(low_w.planned) >= 5 * one
+    assert sum(low_w.planned) >= 4 * one
     torch.testing.assert_close(kg, wg, rtol=2e-6, atol=2e-6 * float(wg.abs().max()))
     torch.testing.assert_close(ku, wu, rtol=2e-6, atol=2e-6 * float(wu.abs().max()))

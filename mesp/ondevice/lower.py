@@ -8,7 +8,11 @@ has a test in tests/test_ondevice_lower.py:
     decomposed into mm, mul and add before lowering;
   - XNNPACK computes `gelu(approximate="tanh")` as the erf form: GELU stays out of the delegate;
   - the memory planner copies every graph input (frozen weights included) into its arena unless
-    `alloc_graph_input=False`: inputs are the runner's own buffers, never planned.
+    `alloc_graph_input=False`: inputs are the runner's own buffers, never planned;
+  - a reshape inside an XNNPACK partition is a copy into a new output buffer (a second
+    (tokens × 4864) tensor in the MLP's backward), where outside it the emitter makes it a view
+    of the same memory: view_copy stays out of the delegate.
+The op order and the arena offsets are memory_plan's (order_for_memory, planning_pass).
 The lowered program's planned-memory buffer sizes are read back from the emitted plan.
 """
 
@@ -22,6 +26,7 @@ import torch
 from torch import Tensor
 
 from mesp.errors import MespError
+from mesp.ondevice.memory_plan import order_for_memory, planning_pass
 from mesp.ondevice.steps import Flat
 
 _ATEN = torch.ops.aten
@@ -47,10 +52,13 @@ class Lowered:
 
 def _partitioner() -> Any:
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
-    from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
+    from executorch.backends.xnnpack.partition.config.generic_node_configs import (
+        GeluConfig,
+        ViewCopyConfig,
+    )
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-    configs = [c for c in ALL_PARTITIONER_CONFIGS if c is not GeluConfig]
+    configs = [c for c in ALL_PARTITIONER_CONFIGS if c not in (GeluConfig, ViewCopyConfig)]
     return XnnpackPartitioner(configs=configs, force_non_static_weights_for_f32_linear=True)
 
 
@@ -81,7 +89,6 @@ def lower(
             ExecutorchBackendConfig,
             to_edge_transform_and_lower,
         )
-        from executorch.exir.passes import MemoryPlanningPass
     except ImportError:
         raise MespError(NEEDS_EXECUTORCH) from None
     dims = {n: torch.export.Dim(n, min=1, max=mx) for n, mx in {v for v in dynamic.values()}}
@@ -101,11 +108,8 @@ def lower(
             partitioner=[_partitioner()] if delegate else None,
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
         )
-        et = edge.to_executorch(
-            ExecutorchBackendConfig(
-                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False)
-            )
-        )
+        order_for_memory(edge.exported_program().graph_module)
+        et = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning_pass()))
     except MespError:
         raise
     except Exception as e:  # export and lowering raise many exception types
