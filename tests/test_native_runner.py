@@ -266,19 +266,23 @@ def test_checkpoints_on_disk_train_the_same(
     runner_bin: Path, artifacts: Path, tmp_path: Path
 ) -> None:
     """--checkpoints-dir: the block inputs go to a nameless scratch file there and come back in
-    the backward (two stay resident instead of one per block): the same losses and adapter to the
-    bit, and nothing left in the directory. A directory it cannot write in is refused before any
-    step, in one line."""
+    the backward (two stay resident instead of one per block, as the log's checkpoint_bytes
+    says): the same losses and adapter to the bit, and nothing left in the directory. A
+    directory it cannot write in is refused before any step, in one line."""
     data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts, 3))
-    runs = {}
+    c = _conf(artifacts)
+    one = 4 * c["batch_size"] * c["seq_len"] * c["model"]["hidden_size"]  # a block input, fp32
+    runs, held = {}, {}
     for name, extra in (("memory", []), ("disk", ["--checkpoints-dir", str(tmp_path / "ck")])):
         (tmp_path / "ck").mkdir(exist_ok=True)
         out, log = tmp_path / name, tmp_path / f"{name}.jsonl"
         r = _run(runner_bin, artifacts, data, out, "--json-log", str(log), *extra, steps=3)
         assert r.returncode == 0, r.stderr
-        losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-        runs[name] = (losses, (out / "adapter_model.safetensors").read_bytes())
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        runs[name] = ([o["loss"] for o in lines], (out / "adapter_model.safetensors").read_bytes())
+        held[name] = {o["checkpoint_bytes"] for o in lines}
     assert runs["disk"] == runs["memory"]
+    assert held == {"memory": {len(c["blocks"]) * one}, "disk": {2 * one}}
     assert list((tmp_path / "ck").iterdir()) == []
     out = tmp_path / "refused"
     r = _run(runner_bin, artifacts, data, out, "--checkpoints-dir", str(tmp_path / "nowhere"))

@@ -16,7 +16,9 @@ void Checkpoints::init(size_t blocks, DType dtype, const Shape& shape, const std
     throw RunnerError("--checkpoint-dtype: float16 or bfloat16 storage needs float32 block inputs");
   bufs_.clear();
   half_.clear();
-  const size_t kept = staged() ? 2 : blocks;
+  // staged() reads the file, which is opened below: decide from the arguments (on disk or half:
+  // two buffers in turn; else one per block)
+  const size_t kept = (!dir.empty() || store != DType::F32) ? 2 : blocks;
   for (size_t i = 0; i < kept; ++i) bufs_.emplace_back(dtype, shape);
   const size_t n = static_cast<size_t>(numel(shape));
   if (store != DType::F32) {
@@ -28,6 +30,13 @@ void Checkpoints::init(size_t blocks, DType dtype, const Shape& shape, const std
   if (!file_.open(dir, why))
     throw RunnerError("--checkpoints-dir " + dir + ": cannot create a scratch file there (" +
                       why + ")");
+}
+
+uint64_t Checkpoints::resident_bytes() const {
+  uint64_t n = 2 * row_.size();
+  for (const HostTensor& b : bufs_) n += b.nbytes();
+  for (const auto& h : half_) n += 2 * h.size();
+  return n;
 }
 
 void Checkpoints::overflow_error(size_t i, const float* v, int64_t n) const {

@@ -30,6 +30,8 @@ class Checkpoints {
   void keep(size_t i);
   // Block i's input for its backward (on disk or half: read back / widened into a buffer).
   HostTensor& backward(size_t i);
+  // Bytes held in memory: the fp32 buffers, and half storage where kept in memory.
+  uint64_t resident_bytes() const;
 
  private:
   [[noreturn]] void overflow_error(size_t i, const float* v, int64_t n) const;

@@ -238,10 +238,11 @@ int run(int argc, char** argv) {
       // "memory": after load and around each program's first run (step 1), else []
       std::fprintf(log,
                    "{\"step\": %lld, \"loss\": %s, \"time_s\": %.6f, \"peak_rss_bytes\": %llu, "
-                   "\"anon_bytes\": %llu, \"memory\": %s%s}\n",
+                   "\"anon_bytes\": %llu, \"checkpoint_bytes\": %llu, \"memory\": %s%s}\n",
                    static_cast<long long>(k), shown, dt,
                    static_cast<unsigned long long>(m.peak_rss),
                    static_cast<unsigned long long>(trainer.peak_anon()),
+                   static_cast<unsigned long long>(trainer.checkpoint_bytes()),
                    trainer.take_memory_events().c_str(), dp_json.c_str());
       std::fflush(log);
     }

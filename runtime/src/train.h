@@ -60,6 +60,8 @@ class Trainer {
   // Largest anonymous RSS seen: after any program ran, and by the watch thread (platform.h's
   // start_anon_watch) inside them.
   uint64_t peak_anon() const { return std::max(peak_anon_, anon_watch_peak()); }
+  // Bytes the block-input store holds in memory (the JSON log's checkpoint_bytes).
+  uint64_t checkpoint_bytes() const { return checkpoints_.resident_bytes(); }
   // Records RssAnon and Private_Dirty now, as `at` (e.g. "after load"); each program's first
   // run is recorded on its own, before and after, the "after" with the largest RssAnon the
   // watch thread read while it ran (peak_inside_bytes; 0 with no watch or a run shorter than
