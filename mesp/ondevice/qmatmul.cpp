@@ -230,11 +230,9 @@ void add_part_row(void* ctx, size_t i) {
   const auto* c = static_cast<const AddPart*>(ctx);
   float* y = c->y + i * c->ys;
   const float* p = c->part + i * c->cols;
-  if (c->alpha == 1.0f) {
-    for (size_t j = 0; j < c->cols; ++j) y[j] = y[j] + p[j];
-  } else {
-    for (size_t j = 0; j < c->cols; ++j) y[j] = y[j] + c->alpha * p[j];
-  }
+  // alpha · p is exact at alpha = 1 (no FMA in this file), so one loop is the lowering's
+  // add (alpha = 1) and its mul then add (alpha != 1) alike
+  for (size_t j = 0; j < c->cols; ++j) y[j] = y[j] + c->alpha * p[j];
 }
 
 using Buffer = std::unique_ptr<float, decltype(&std::free)>;

@@ -33,16 +33,8 @@ from torch import Tensor
 from mesp.quant import QuantSpec, dequantize_core_aten
 
 _ARGS = "Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size"
-_LIB = torch.library.Library("mesp", "DEF")
 _ADD = f"{_ARGS}, Tensor a, Tensor b, float alpha"
-for _op, _args in (
-    ("qlinear", _ARGS),
-    ("qmatmul", _ARGS),
-    ("qlinear_add", _ADD),
-    ("qmatmul_add", _ADD),
-):
-    _LIB.define(f"{_op}({_args}) -> Tensor")
-    _LIB.define(f"{_op}.out({_args}, *, Tensor(a!) out) -> Tensor(a!)")
+_LIB = torch.library.Library("mesp", "DEF")
 
 
 def _dense(
@@ -67,32 +59,24 @@ def _plus(y: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
     return y + p.view(y.shape)
 
 
-def _qlinear_add(
-    x: Tensor,
-    wq: Tensor,
-    sc: Tensor,
-    bi: Tensor,
-    bits: int,
-    group: int,
-    a: Tensor,
-    b: Tensor,
-    alpha: float,
-) -> Tensor:
-    return _plus(_qlinear(x, wq, sc, bi, bits, group), a, b.t(), alpha)
+def _adding(product: Callable[..., Tensor], transpose: bool) -> Callable[..., Tensor]:
+    """product(x, W) + alpha · a bᵀ (qlinear: b laid out like W, (N, r)) or + alpha · a b
+    (qmatmul: b (r, K))."""
 
+    def run(
+        x: Tensor,
+        wq: Tensor,
+        sc: Tensor,
+        bi: Tensor,
+        bits: int,
+        group: int,
+        a: Tensor,
+        b: Tensor,
+        alpha: float,
+    ) -> Tensor:
+        return _plus(product(x, wq, sc, bi, bits, group), a, b.t() if transpose else b, alpha)
 
-def _qmatmul_add(
-    dy: Tensor,
-    wq: Tensor,
-    sc: Tensor,
-    bi: Tensor,
-    bits: int,
-    group: int,
-    a: Tensor,
-    b: Tensor,
-    alpha: float,
-) -> Tensor:
-    return _plus(_qmatmul(dy, wq, sc, bi, bits, group), a, b, alpha)
+    return run
 
 
 def _out(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:  # the .out overload of a reference
@@ -114,12 +98,14 @@ def _meta(linear: bool) -> Callable[..., Tensor]:
     return run
 
 
-for _op, _fn, _lin in (
-    ("qlinear", _qlinear, True),
-    ("qmatmul", _qmatmul, False),
-    ("qlinear_add", _qlinear_add, True),
-    ("qmatmul_add", _qmatmul_add, False),
+for _op, _args, _fn, _lin in (
+    ("qlinear", _ARGS, _qlinear, True),
+    ("qmatmul", _ARGS, _qmatmul, False),
+    ("qlinear_add", _ADD, _adding(_qlinear, transpose=True), True),
+    ("qmatmul_add", _ADD, _adding(_qmatmul, transpose=False), False),
 ):
+    _LIB.define(f"{_op}({_args}) -> Tensor")
+    _LIB.define(f"{_op}.out({_args}, *, Tensor(a!) out) -> Tensor(a!)")
     _LIB.impl(_op, _fn, "CompositeExplicitAutograd")
     _LIB.impl(f"{_op}.out", _out(_fn), "CompositeExplicitAutograd")
     _LIB.impl(_op, _meta(_lin), "Meta")

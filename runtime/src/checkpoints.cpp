@@ -14,22 +14,19 @@ void Checkpoints::init(size_t blocks, DType dtype, const Shape& shape, const std
   store_ = store;
   if (store != DType::F32 && (dtype != DType::F32 || (store != DType::F16 && store != DType::BF16)))
     throw RunnerError("--checkpoint-dtype: float16 or bfloat16 storage needs float32 block inputs");
+  std::string why;  // the file first: staged() reads whether it is open
+  if (!dir.empty() && !file_.open(dir, why))
+    throw RunnerError("--checkpoints-dir " + dir + ": cannot create a scratch file there (" +
+                      why + ")");
   bufs_.clear();
   half_.clear();
-  // staged() reads the file, which is opened below: decide from the arguments (on disk or half:
-  // two buffers in turn; else one per block)
-  const size_t kept = (!dir.empty() || store != DType::F32) ? 2 : blocks;
+  const size_t kept = staged() ? 2 : blocks;
   for (size_t i = 0; i < kept; ++i) bufs_.emplace_back(dtype, shape);
   const size_t n = static_cast<size_t>(numel(shape));
   if (store != DType::F32) {
     if (dir.empty()) half_.assign(blocks, std::vector<uint16_t>(n));
     else row_.assign(n, 0);
   }
-  if (dir.empty()) return;
-  std::string why;
-  if (!file_.open(dir, why))
-    throw RunnerError("--checkpoints-dir " + dir + ": cannot create a scratch file there (" +
-                      why + ")");
 }
 
 uint64_t Checkpoints::resident_bytes() const {
