@@ -1,7 +1,8 @@
 """Lowering one named program to ExecuTorch (.pte), with the fixes that keep it exact and small.
 
 Each is a trap of executorch 1.5.1 that gives no error (../shared/reference/FACTS.md), and each
-has a test in tests/test_ondevice_lower.py:
+but the last has a test in tests/test_ondevice_et.py (the last shows in the planned bytes of
+the block backward that `mesp export` reports):
   - weights are program inputs, so XNNPACK must be told to take non-static f32 linears
     (`force_non_static_weights_for_f32_linear`), else every matmul runs on portable kernels;
   - with that, XNNPACK drops the added term, alpha and beta of a 2-D `addmm`: every addmm is
@@ -13,6 +14,9 @@ has a test in tests/test_ondevice_lower.py:
     (tokens × 4864) tensor in the MLP's backward), where outside it the emitter makes it a view
     of the same memory: view_copy stays out of the delegate.
 The op order and the arena offsets are memory_plan's (order_for_memory, planning_pass).
+Node provenance ("from_node") is dropped before each stage: it is only for ExecuTorch's inspector,
+and every pass deep-copies each node's whole history, so it grows with the passes run (a quarter
+of a tiny model's lowering time).
 The lowered program's planned-memory buffer sizes are read back from the emitted plan.
 """
 
@@ -41,6 +45,13 @@ def _addmm(inp: Tensor, m1: Tensor, m2: Tensor, *, beta: float = 1, alpha: float
     if beta == 0:
         return prod
     return (inp if beta == 1 else inp * beta) + prod
+
+
+def _drop_provenance(ep: Any) -> Any:
+    """Forget each node's pass history (meta "from_node"; the passes after this start anew)."""
+    for node in ep.graph.nodes:
+        node.meta.pop("from_node", None)
+    return ep
 
 
 @dataclass(frozen=True)
@@ -97,10 +108,12 @@ def lower(
     args = tuple(t.contiguous() for t in example)
     name = getattr(prog.fn, "__qualname__", "program").split(".")[0]
     try:
-        ep = torch.export.export(prog, args, dynamic_shapes=dyn_shapes, strict=False)
+        ep = _drop_provenance(
+            torch.export.export(prog, args, dynamic_shapes=dyn_shapes, strict=False)
+        )
         # addmm alone: decomposing everything here would also split the linears that the
         # partitioner takes whole (and triple the lowering time)
-        ep = ep.run_decompositions({_ATEN.addmm.default: _addmm})
+        ep = _drop_provenance(ep.run_decompositions({_ATEN.addmm.default: _addmm}))
         if ep.state_dict or ep.constants:
             raise MespError(f"{name}: the program captured tensors as constants")
         edge = to_edge_transform_and_lower(
