@@ -1,8 +1,12 @@
 """Session fixtures shared by the on-device tests: the native runner's build and the tiny
-ExecuTorch exports (lowering a model takes minutes on 2 cores: each is made once per session)."""
+ExecuTorch exports (lowering a model takes minutes on 2 cores: each is made once per session).
+Under pytest-xdist (scripts/test runs two workers) the workers share them: the runner is built
+under a lock, the exports go to one root that every worker reads, and each worker's torch takes
+its share of the cores."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -11,9 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE_BIN = ROOT / "build" / "ondevice" / "mesp-runner"
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:  # two workers each with every core's threads would spin against each other
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 
 def executorch_dir() -> Path | None:
@@ -32,13 +40,16 @@ def runner_bin() -> Path:
     if shutil.which("cmake") is None and not (Path(sys.prefix) / "bin" / "cmake").exists():
         pytest.skip("cmake is not installed")
     env = {**os.environ, "MESP_VENV": sys.prefix}
-    r = subprocess.run(
-        [str(ROOT / "scripts" / "build-ondevice")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    (ROOT / "build").mkdir(exist_ok=True)
+    with open(ROOT / "build" / "ondevice.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time in build/ondevice
+        r = subprocess.run(
+            [str(ROOT / "scripts" / "build-ondevice")],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
     assert r.returncode == 0, f"build-ondevice failed:\n{r.stdout}\n{r.stderr}"
     assert NATIVE_BIN.is_file()
     return NATIVE_BIN
@@ -50,7 +61,12 @@ def et_cases(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
     pytest.importorskip("executorch")
     from tests.et_cases import EtCase, prefetch
 
-    root, made = tmp_path_factory.mktemp("et"), {}
+    if WORKERS > 1:  # the session's base folder is per worker; its parent is the run's
+        root = tmp_path_factory.getbasetemp().parent / "et"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("et")
+    made: dict = {}
 
     def get(family: str, quant: str, also: list[tuple[str, str]] | None = None) -> EtCase:
         """The case; `also`: cases the caller will want next, exported now in parallel."""

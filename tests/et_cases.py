@@ -2,10 +2,12 @@
 
 Lowering takes minutes per model and is single-threaded Python: `prefetch` exports several in
 worker processes, one per core. The models are deterministic (seeded), so the one a test builds
-in-process equals the one a worker exported."""
+in-process equals the one a worker exported. Under pytest-xdist the test workers share one root
+(tests/conftest.py): each case is exported once, under its lock, and found done by the others."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +42,16 @@ def export_case(family: str, quant: str, out: Path, weight_block_kb: int = 0) ->
     return out
 
 
+def ensure_case(family: str, quant: str, out: Path, weight_block_kb: int = 0) -> Path:
+    """Export the case to `out` unless it is there; one process at a time per case (the export
+    directory is committed whole, so a run_config.json means a finished export)."""
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (out / "run_config.json").exists():
+            export_case(family, quant, out, weight_block_kb)
+    return out
+
+
 def prefetch(cases: list[tuple[str, str]], root: Path) -> None:
     """Export every case not yet under root, in parallel worker processes."""
     todo = [
@@ -51,7 +63,7 @@ def prefetch(cases: list[tuple[str, str]], root: Path) -> None:
         return
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(min(len(todo), os.cpu_count() or 1), mp_context=ctx) as pool:
-        jobs = [pool.submit(export_case, f, q, root / f"et_{f}_{q}") for f, q in todo]
+        jobs = [pool.submit(ensure_case, f, q, root / f"et_{f}_{q}") for f, q in todo]
         for j in jobs:
             j.result()
 
@@ -63,8 +75,7 @@ class EtCase:
         self.model = _model(family, quant)
         self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         self.dir = root / f"et_{family}_{quant}" if not weight_block_kb else root / "et_blocked"
-        if not (self.dir / "run_config.json").exists():
-            export_case(family, quant, self.dir, weight_block_kb)
+        ensure_case(family, quant, self.dir, weight_block_kb)
         self.art = runner.Artifacts(self.dir)
         self.conf = self.art.conf
 
