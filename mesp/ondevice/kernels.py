@@ -54,7 +54,7 @@ def compiler() -> str:
 def _command(cxx: str, root: Path, out: str) -> list[str]:
     inc = root / "include"
     return [
-        cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off",
+        cxx, "-std=c++17", "-O3", "-fPIC", "-shared", "-ffp-contract=off",
         *(f"-D{d}" for d in DEFINES),
         f"-I{inc}", f"-I{inc}/executorch/runtime/core/portable_type/c10",
         *map(str, SOURCES), f"-L{root / 'lib'}", *(f"-l{lib}" for lib in LIBS),
