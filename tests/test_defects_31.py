@@ -19,6 +19,7 @@ from mesp.cli import main
 from mesp.data import DataConfig, load_jsonl, load_splits
 from mesp.errors import MespError
 from mesp.loading.tokenizer import Tokenizer as MespTokenizer
+from mesp.training.checkpoint import load_state
 from tests.test_gguf_export import _base, _fails
 from tests.tiny_dir import make_jsonl, make_model_dir, make_tokenizer, train_argv
 
@@ -138,6 +139,53 @@ def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(
     assert (out / "adapter_model.safetensors").exists()  # the ranks saved as they stopped
     left = subprocess.run(["pgrep", "-f", f"mesp.*{out}"], capture_output=True, text=True)
     assert not left.stdout.split(), left.stdout  # no agent or rank outlives the launcher
+
+
+def _rank_pid(out: Path, rank: int) -> int | None:
+    """The pid of `mesp train --nproc` rank `rank` writing to `out` (from its environment)."""
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(out).encode() in cmd and f"RANK={rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_rank_0_saves(
+    tmp_path: Path,
+) -> None:
+    """A rank stopped on its own flag: a SIGTERM landing on rank 1 after a step's all-reduce
+    stopped rank 1 at that step while rank 0 went on into the next all-reduce alone and died
+    there, saving nothing (CI saw it as a launcher test that left no adapter under load). The
+    ranks now stop where the all-reduce says one had a signal: both at one step, rank 0 saves.
+    Rank 1 is signalled several times over a run, at whatever point of its step it is."""
+    model = make_model_dir(tmp_path / "m", "llama")
+    data = make_jsonl(tmp_path / "d.jsonl", 30)
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        argv = train_argv(
+            model, data, out, "--nproc", "2", python=True, quantize="none", seq_len=40,
+            batch_size=4, steps=100000, optimizer="sgd", eval_every=0, save_every=100000,
+        )  # fmt: skip
+        p = subprocess.Popen(argv, stderr=subprocess.PIPE)
+        log, deadline = out / "log.jsonl", time.time() + 300
+        while (not log.exists() or '"loss"' not in log.read_text()) and time.time() < deadline:
+            assert p.poll() is None, p.communicate()[1].decode()[-2000:]
+            time.sleep(0.1)
+        time.sleep(0.05 * attempt)  # a different point of the step each time
+        pid = _rank_pid(out, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        err = p.communicate(timeout=120)[1].decode()
+        assert p.returncode != 0, err[-2000:]  # a rank ended by a signal: the run did not finish
+        assert "exited with status 143" in err, err[-2000:]  # as a rank does on SIGTERM
+        assert (out / "adapter_model.safetensors").exists(), err[-2000:]
+        rows = [json.loads(x) for x in log.read_text().splitlines() if '"loss"' in x]
+        assert load_state(out).step == rows[-1]["step"], err[-2000:]  # saved at the last step
 
 
 QUIET = """

@@ -144,6 +144,11 @@ def train(
             write_model_dir(model, None, out_dir / "model")
         save_state(out_dir, model, opt, st)
 
+    # data parallel: a rank stops only where the all-reduce said some rank had a signal. Its own
+    # flag alone is not enough: a signal landing on one rank just after a step's all-reduce, on
+    # the other just before, stopped one at that step and sent the other into the next
+    # all-reduce, alone (it died there, and rank 0 saved nothing)
+    agreed = 0
     with stop:
         while st.step < cfg.steps and not best.stopped(st, cfg):
             step = st.step + 1
@@ -173,10 +178,10 @@ def train(
                 loss_sum = sum(engine.step(model, b.to(dev), normalizer) for b in local)
                 if dp is not None and updates_itself:  # mezo shared its scalars already
                     loss_sum, any_stop = dp.sum_scalars([loss_sum, float(stop.signum)])
-                    stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)
+                    agreed = (stop.signum or signal.SIGTERM) if any_stop else 0
                 elif dp is not None:
                     loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
-                    stop.signum = stop.signum or (signal.SIGTERM if any_stop else 0)
+                    agreed = (stop.signum or signal.SIGTERM) if any_stop else 0
                 if privacy is not None:  # an empty sample still steps: noise alone
                     privacy.privatize(params, step)
                 loss = loss_sum / normalizer
@@ -235,7 +240,8 @@ def train(
                     bar.update(1)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 validate(step)
-            if (cfg.save_every and step % cfg.save_every == 0) or stop.signum:
+            halt = agreed if dp is not None else stop.signum
+            if (cfg.save_every and step % cfg.save_every == 0) or halt:
                 checkpoint()
             if max_memory is not None:
                 grown = max(peak_rss_bytes() - base_rss, cuda_peak_bytes() or 0)
@@ -250,10 +256,10 @@ def train(
                         f"({max_memory / 2**20:.0f} MiB) at step {step}; adapter and state "
                         f"saved in {out_dir}"
                     )
-            if stop.signum:
+            if halt:
                 if bar is not None:
                     bar.close()
-                code = 128 + stop.signum
+                code = 128 + halt
                 raise Interrupted(
                     code,
                     f"interrupted at step {step}; adapter and training "
