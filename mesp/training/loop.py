@@ -176,11 +176,11 @@ def train(
             else:
                 local = [dp.shard(b) for b in micro] if dp is not None else micro
                 loss_sum = sum(engine.step(model, b.to(dev), normalizer) for b in local)
-                if dp is not None and updates_itself:  # mezo shared its scalars already
-                    loss_sum, any_stop = dp.sum_scalars([loss_sum, float(stop.signum)])
-                    agreed = (stop.signum or signal.SIGTERM) if any_stop else 0
-                elif dp is not None:
-                    loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
+                if dp is not None:
+                    if updates_itself:  # mezo shared its scalars already
+                        loss_sum, any_stop = dp.sum_scalars([loss_sum, float(stop.signum)])
+                    else:
+                        loss_sum, any_stop = dp.all_reduce(params, loss_sum, stop.signum)
                     agreed = (stop.signum or signal.SIGTERM) if any_stop else 0
                 if privacy is not None:  # an empty sample still steps: noise alone
                     privacy.privatize(params, step)
