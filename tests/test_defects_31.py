@@ -110,6 +110,22 @@ def test_export_directory_and_files_get_the_umask_mode(tmp_path: Path) -> None:
         assert stat.S_IMODE(p.stat().st_mode) == want, p
 
 
+def _two_ranks_training(
+    model: Path, data: Path, out: Path, env: dict[str, str]
+) -> subprocess.Popen:
+    """`mesp train --nproc 2` with no end in sight, once its first loss row is in the log."""
+    argv = train_argv(
+        model, data, out, "--nproc", "2", python=True, quantize="none", seq_len=40,
+        batch_size=4, steps=100000, optimizer="sgd", eval_every=0, save_every=100000,
+    )  # fmt: skip
+    p = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
+    log, deadline = out / "log.jsonl", time.time() + 300
+    while (not log.exists() or '"loss"' not in log.read_text()) and time.time() < deadline:
+        assert p.poll() is None, p.communicate()[1].decode()[-2000:]
+        time.sleep(0.1)
+    return p
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(
@@ -122,15 +138,7 @@ def test_a_signalled_launcher_stops_its_ranks_and_leaves_no_report(
     data = make_jsonl(tmp_path / "d.jsonl", 30)
     tmp, out = tmp_path / "tmp", tmp_path / "run"
     tmp.mkdir()
-    argv = train_argv(
-        model, data, out, "--nproc", "2", python=True, quantize="none", seq_len=40,
-        batch_size=4, steps=100000, optimizer="sgd", eval_every=0, save_every=100000,
-    )  # fmt: skip
-    p = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp)}, stderr=subprocess.PIPE)
-    log, deadline = out / "log.jsonl", time.time() + 300
-    while (not log.exists() or '"loss"' not in log.read_text()) and time.time() < deadline:
-        assert p.poll() is None, p.communicate()[1].decode()[-2000:]
-        time.sleep(0.1)
+    p = _two_ranks_training(model, data, out, {**os.environ, "TMPDIR": str(tmp)})
     assert list(tmp.glob("mesp-ranks-*.json"))  # the report exists while the ranks run
     p.send_signal(sig)
     err = p.communicate(timeout=120)[1].decode()
@@ -167,15 +175,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_rank_0_saves(
     data = make_jsonl(tmp_path / "d.jsonl", 30)
     for attempt in range(3):
         out = tmp_path / f"run{attempt}"
-        argv = train_argv(
-            model, data, out, "--nproc", "2", python=True, quantize="none", seq_len=40,
-            batch_size=4, steps=100000, optimizer="sgd", eval_every=0, save_every=100000,
-        )  # fmt: skip
-        p = subprocess.Popen(argv, stderr=subprocess.PIPE)
-        log, deadline = out / "log.jsonl", time.time() + 300
-        while (not log.exists() or '"loss"' not in log.read_text()) and time.time() < deadline:
-            assert p.poll() is None, p.communicate()[1].decode()[-2000:]
-            time.sleep(0.1)
+        p = _two_ranks_training(model, data, out, dict(os.environ))
         time.sleep(0.05 * attempt)  # a different point of the step each time
         pid = _rank_pid(out, 1)
         assert pid is not None
@@ -184,7 +184,9 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_rank_0_saves(
         assert p.returncode != 0, err[-2000:]  # a rank ended by a signal: the run did not finish
         assert "exited with status 143" in err, err[-2000:]  # as a rank does on SIGTERM
         assert (out / "adapter_model.safetensors").exists(), err[-2000:]
-        rows = [json.loads(x) for x in log.read_text().splitlines() if '"loss"' in x]
+        rows = [
+            json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x
+        ]
         assert load_state(out).step == rows[-1]["step"], err[-2000:]  # saved at the last step
 
 
