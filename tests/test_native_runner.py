@@ -62,7 +62,15 @@ def _jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def _run(runner_bin: Path, art: Path, data: Path, out: Path, *extra: str, steps: int = 2):
+def _run(
+    runner_bin: Path,
+    art: Path,
+    data: Path,
+    out: Path,
+    *extra: str,
+    steps: int = 2,
+    env: dict[str, str] | None = None,
+):
     argv = [
         str(runner_bin),
         str(art),
@@ -73,7 +81,7 @@ def _run(runner_bin: Path, art: Path, data: Path, out: Path, *extra: str, steps:
         "--out",
         str(out),
     ]
-    return subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=600)
+    return subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=600, env=env)
 
 
 def _refused(r: subprocess.CompletedProcess, out: Path, *needles: str) -> None:
@@ -251,6 +259,25 @@ def test_trains_and_saves_a_peft_adapter(
     assert (tmp_path / "py.safetensors").read_bytes() == (
         out / "adapter_model.safetensors"
     ).read_bytes()
+
+
+def test_threads_default_to_omp_num_threads(
+    runner_bin: Path, artifacts: Path, tmp_path: Path
+) -> None:
+    """Without --threads the pool takes OMP_NUM_THREADS (the knob torch reads for the engine) where
+    it is a count, and ExecuTorch's own choice where it is unset or not one."""
+    data = _jsonl(tmp_path / "rows.jsonl", _rows(artifacts))
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+    def pool(omp: str | None) -> str:
+        env = base if omp is None else {**base, "OMP_NUM_THREADS": omp}
+        r = _run(runner_bin, artifacts, data, tmp_path / f"a{omp}", steps=1, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()[-1].rsplit("; ", 1)[1]
+
+    assert pool("1") == "1 threads" and pool("3") == "3 threads"
+    own = pool(None)
+    assert pool("0") == pool("two") == own, own
 
 
 def test_no_trained_token_skips_the_step(runner_bin: Path, artifacts: Path, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ const char* kUsage =
     "usage: mesp-runner DIR --data ROWS.jsonl --steps N --out ADAPTER_DIR\n"
     "                   [--optimizer sgd|adamw] [--lr 1e-4] [--weight-decay 0]\n"
     "                   [--quiet] [--threads N] [--json-log FILE] [--checkpoints-dir DIR]\n"
+    "                   (--threads: default $OMP_NUM_THREADS, else one per core)\n"
     "                   [--checkpoint-dtype float32|float16|bfloat16]  (block inputs kept as)\n"
     "                   [--memory-poll-us 1000]  (0: anon memory sampled between programs only)\n"
     "DP-SGD (each row's gradient clipped, Gaussian noise, the privacy spent printed per step):\n"
@@ -39,6 +40,17 @@ const char* kUsage =
     "                   [--dp-batch E]  (expected rows per step, Poisson; default the export's)\n"
     "                   [--dp-clipping per-layer|flat] [--seed 0]\n"
     "Trains LoRA adapters from a `mesp export --target executorch` directory.\n";
+
+// --threads 0 (the default): OMP_NUM_THREADS where it is a count from 1 to 1024, the knob torch
+// (the engine beside the runner) honours too, so two processes sharing a machine can be told
+// not to spin against each other; else 0, ExecuTorch's own choice (one thread per core).
+int threads_from_env() {
+  const char* v = std::getenv("OMP_NUM_THREADS");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  long n = std::strtol(v, &end, 10);
+  return (*end == '\0' && n >= 1 && n <= 1024) ? static_cast<int>(n) : 0;
+}
 
 struct Args {
   std::string dir, data, out, json_log, checkpoints_dir;
@@ -154,6 +166,7 @@ Args parse_args(int argc, char** argv) {
   if (!(a.opt.weight_decay >= 0 && std::isfinite(a.opt.weight_decay)))
     throw RunnerError("--weight-decay must be a finite number >= 0");
   if (a.threads < 0 || a.threads > 1024) throw RunnerError("--threads must be between 0 and 1024");
+  if (a.threads == 0) a.threads = threads_from_env();
   return a;
 }
 
