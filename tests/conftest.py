@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NATIVE_BIN = ROOT / "build" / "ondevice" / "mesp-runner"
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:  # two workers each with every core's threads would spin against each other
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+    SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
+    torch.set_num_threads(SHARE)
+    # and so would the processes a test starts (the CLI, the demo, the native runner): measured,
+    # the demo beside one busy core took 60 s with two threads and 36 s with one
+    os.environ["OMP_NUM_THREADS"] = str(SHARE)
 
 
 def executorch_dir() -> Path | None:

