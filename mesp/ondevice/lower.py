@@ -34,6 +34,7 @@ from mesp.ondevice.memory_plan import order_for_memory, planning_pass
 from mesp.ondevice.steps import Flat
 
 _ATEN = torch.ops.aten
+_ADDMM = (_ATEN.addmm.default, _ATEN.addmm_.default)
 ST_NAMES = {torch.float32: "F32", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
 
@@ -112,8 +113,10 @@ def lower(
             torch.export.export(prog, args, dynamic_shapes=dyn_shapes, strict=False)
         )
         # addmm alone: decomposing everything here would also split the linears that the
-        # partitioner takes whole (and triple the lowering time)
-        ep = _drop_provenance(ep.run_decompositions({_ATEN.addmm.default: _addmm}))
+        # partitioner takes whole (and triple the lowering time). A program with no addmm
+        # (in place or not) skips this retrace: the lowering functionalizes it anyway.
+        if any(n.target in _ADDMM for n in ep.graph.nodes):
+            ep = _drop_provenance(ep.run_decompositions({_ATEN.addmm.default: _addmm}))
         if ep.state_dict or ep.constants:
             raise MespError(f"{name}: the program captured tensors as constants")
         edge = to_edge_transform_and_lower(
