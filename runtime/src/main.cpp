@@ -41,15 +41,17 @@ const char* kUsage =
     "                   [--dp-clipping per-layer|flat] [--seed 0]\n"
     "Trains LoRA adapters from a `mesp export --target executorch` directory.\n";
 
-// --threads 0 (the default): OMP_NUM_THREADS where it is a count from 1 to 1024, the knob torch
-// (the engine beside the runner) honours too, so two processes sharing a machine can be told
-// not to spin against each other; else 0, ExecuTorch's own choice (one thread per core).
+constexpr long kMaxThreads = 1024;  // the most --threads (or OMP_NUM_THREADS) may ask for
+
+// --threads 0 (the default): OMP_NUM_THREADS where it is a count from 1 to kMaxThreads, the
+// knob torch (the engine beside the runner) honours too, so two processes sharing a machine can
+// be told not to spin against each other; else 0, ExecuTorch's own choice (one per core).
 int threads_from_env() {
   const char* v = std::getenv("OMP_NUM_THREADS");
   if (v == nullptr || *v == '\0') return 0;
   char* end = nullptr;
   long n = std::strtol(v, &end, 10);
-  return (*end == '\0' && n >= 1 && n <= 1024) ? static_cast<int>(n) : 0;
+  return (*end == '\0' && n >= 1 && n <= kMaxThreads) ? static_cast<int>(n) : 0;
 }
 
 struct Args {
@@ -165,7 +167,8 @@ Args parse_args(int argc, char** argv) {
     throw RunnerError("--steps and --lr must be positive");
   if (!(a.opt.weight_decay >= 0 && std::isfinite(a.opt.weight_decay)))
     throw RunnerError("--weight-decay must be a finite number >= 0");
-  if (a.threads < 0 || a.threads > 1024) throw RunnerError("--threads must be between 0 and 1024");
+  if (a.threads < 0 || a.threads > kMaxThreads)
+    throw RunnerError("--threads must be between 0 and " + std::to_string(kMaxThreads));
   if (a.threads == 0) a.threads = threads_from_env();
   return a;
 }
