@@ -22,11 +22,14 @@ DEVICE = os.environ.get("MESP_TEST_DEVICE", "cpu")
 DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 
+Q4_SIZES = {"hidden_size": 96, "head_dim": 32, "intermediate_size": 160}  # multiples of 32
+
+
 def model_with_adapter(
     family: str, quant: QuantSpec | None = None, rank: int = 3, dtype=torch.float32, **over
 ) -> CausalLM:  # type: ignore[no-untyped-def]
     if quant is not None:  # every input size a multiple of the group: all weights quantized
-        over = {"hidden_size": 96, "head_dim": 32, "intermediate_size": 160, **over}
+        over = {**Q4_SIZES, **over}
     m = mesp_from_hf(hf_model(family, **over), quant=quant, dtype=dtype)
     assert quant is None or all(mod.quant for mod in m.lora_modules().values())
     apply_lora(m, LoraConfig(rank=rank, alpha=7.0))

@@ -17,7 +17,6 @@ import torch
 
 from mesp.ondevice import runner
 from mesp.ondevice.export import ExportOptions, export_model
-from mesp.quant import QuantSpec
 from tests import export_cases as T
 
 S, B, TILE = T.S, T.B, 4  # S = 12: three query tiles
@@ -29,8 +28,10 @@ OVER: dict[str, dict[str, int]] = {"phi3": {"original_max_position_embeddings": 
 
 
 def _model(family: str, quant: str):  # type: ignore[no-untyped-def]
-    q = QuantSpec(4, 32) if quant == "q4" else None
-    return T.model_with_adapter(family, q, **OVER.get(family, {}))
+    """quant: "q4" (every frozen matrix 4-bit g32), "dense", or "mixed" (T.mixed_model)."""
+    if quant == "mixed":
+        return T.mixed_model(family, **OVER.get(family, {}))
+    return T.model_with_adapter(family, T.Q4 if quant == "q4" else None, **OVER.get(family, {}))
 
 
 def export_case(family: str, quant: str, out: Path, weight_block_kb: int = 0) -> Path:

@@ -1,7 +1,8 @@
 """The tiny models every on-device test exports, and the engine run they are checked against.
 
 CASES: per family, the base quantization and the loss's vocabulary slice that its ExecuTorch
-cases use (tests/test_ondevice_et.py exports each 4-bit and unquantized, tests/et_cases.py);
+cases use (tests/et_cases.py). `mixed_model`: one block with both kinds of frozen matmul, so one
+export per family checks the family's ops with a 4-bit and a dense base (tests/test_ondevice_et.py);
 `_engine_run` is the reference: the in-process mesp engine with torch's SGD or AdamW, on the
 rows in the drivers' order."""
 
@@ -15,21 +16,37 @@ import torch
 from mesp.batch import Example, collate
 from mesp.engines import make_engine
 from mesp.quant import QuantSpec
-from tests.engine_cases import model_with_adapter
+from tests.engine_cases import Q4_SIZES, model_with_adapter
 
 S, B, STEPS, LR, VOCAB = 12, 2, 20, 0.05, 211
+Q4 = QuantSpec(4, 32)
 CASES = {  # family -> (base quantization, loss vocabulary slice: None = whole head)
-    "qwen2": (QuantSpec(4, 32), None),  # the paper's family: 4-bit, tied head, q/k/v bias
+    "qwen2": (Q4, None),  # the paper's family: 4-bit, tied head, q/k/v bias
     "llama": (None, None),
     "qwen3": (None, 64),  # q/k norms; the head in vocabulary slices (online logsumexp)
-    "gemma3": (QuantSpec(4, 32), 64),  # sandwich norms, sliding-window mask (window 5 < S)
+    "gemma3": (Q4, 64),  # sandwich norms, sliding-window mask (window 5 < S)
     "mistral": (None, None),  # the sliding-window mask on every layer (window 5 < S)
     "smollm3": (None, 64),  # a NoPE layer with the window; the head in slices
-    "granite": (QuantSpec(4, 32), None),  # the four scalars (logits ÷ s before the head)
+    "granite": (Q4, None),  # the four scalars (logits ÷ s before the head)
     "olmo2": (None, 64),  # post norms, no input norm, q/k norms over the whole projection
-    "gemma2": (QuantSpec(4, 32), None),  # attention and final soft-caps, sliding/global
+    "gemma2": (Q4, None),  # attention and final soft-caps, sliding/global
     "phi3": (None, 64),  # fused qkv / gate_up, partial rotary, LongRoPE, a window on every layer
 }
+
+
+def mixed_model(family: str, **over):  # type: ignore[no-untyped-def]
+    """The family's tiny model with its base precision (CASES) in the embedding, the head and the
+    attention projections, and the other one (4-bit g32 or dense) in the MLP's: every block holds
+    both kinds of frozen matmul. The MLP's dense weights are the 4-bit values dequantized (or the
+    4-bit codes are those of the dense weights), so the model is still the seeded one."""
+    base = CASES[family][0]
+    m = model_with_adapter(family, base, **{**Q4_SIZES, **over})
+    for name, mod in m.lora_modules().items():
+        if ".mlp." in name:
+            mod.set_dense(mod.dense(), None if base is not None else Q4)
+    quants = {mod.quant is None for mod in m.lora_modules().values()}
+    assert quants == {True, False}, (family, quants)  # both kinds in every block
+    return m
 
 
 def _rows(n: int = 5, seed: int = 1) -> list[tuple[list[int], list[int]]]:
@@ -67,4 +84,4 @@ def _engine_run(case, rows, steps: int, adamw_lr: float | None = None) -> list[f
     return losses
 
 
-__all__ = ["B", "CASES", "LR", "S", "STEPS", "VOCAB", "model_with_adapter"]
+__all__ = ["B", "CASES", "LR", "S", "STEPS", "VOCAB", "mixed_model", "model_with_adapter"]

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 
 from mesp.cli import main
 from mesp.ondevice import runner
+from tests.engine_cases import Q4_SIZES
 from tests.hf_tiny import hf_model
 from tests.test_native_runner import _conf, _copy, _edit_conf, _jsonl, _refused, _rows, _run
 
@@ -34,8 +35,8 @@ LEAVES = {
 
 def _base_dir(family: str, quant: str, path: Path) -> Path:
     """The exported tiny model's base as an HF directory (tests.engine_cases.model_with_adapter's
-    shapes): export-adapter reads only its names and shapes."""
-    over = {"hidden_size": 96, "head_dim": 32, "intermediate_size": 160} if quant == "q4" else {}
+    shapes, T.mixed_model's for "mixed"): export-adapter reads only its names and shapes."""
+    over = Q4_SIZES if quant in ("q4", "mixed") else {}
     hf_model(family, **over).save_pretrained(str(path))
     return path
 
@@ -57,7 +58,7 @@ def _py_save(conf: dict, lora: list[dict], out: Path) -> str:
 
 @pytest.mark.parametrize(
     "family,quant",
-    [("qwen2", "q4"), pytest.param("llama", "dense", marks=pytest.mark.slow)],
+    [("qwen2", "q4"), pytest.param("llama", "mixed", marks=pytest.mark.slow)],
 )
 def test_adapter_gguf_is_what_export_adapter_writes(  # type: ignore[no-untyped-def]
     runner_bin: Path, et_cases, tmp_path: Path, family: str, quant: str
