@@ -195,7 +195,14 @@ def test_ondevice_section_names_the_cpu_and_the_ratio() -> None:
         }
         return r | ({"cpu": cpu} if cpu else {})
 
-    text = "\n".join(section([row("Xeon, 2 cores"), row(None)]))
+    first = row("Xeon, 2 cores")  # its breakdown is shown: the runner's seconds per program
+    first["native"]["program_s"] = {"loss_slice": 1.5, "g0.backward": 4.0}
+    text = "\n".join(section([first, row(None)]))
+    assert (
+        "Runner seconds per program in a step (median; the rest of the step's 9.00 s is outside "
+        "the programs): g0.backward 4.00, loss_slice 1.50." in text
+    )
+    assert "Runner seconds" not in "\n".join(section([row(None)]))  # a row from before: none
     assert "| 9.00 | 6.00 | 1.50 | 150.0 |" in text
     assert "| 80.0 (g0.backward) | Xeon, 2 cores |" in text
     assert "| not recorded |" in text

@@ -16,6 +16,7 @@ import re
 import shutil
 import struct
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,19 @@ def test_trains_and_saves_a_peft_adapter(
         assert not f.metadata()  # as the Python runner and driver write it
         got = {k: f.get_tensor(k) for k in f.keys()}
     assert set(got) == set(init)
+    # where each step's time went: every program it ran, its calls and seconds (the warm-up's not)
+    per_fn = Counter(b["fn"] for b in conf["blocks"])
+    ran = {"embed", "loss_start", "loss_slice", "loss_finish", optimizer}
+    ran |= {f"{g}.{k}" for g in per_fn for k in ("forward", "backward")}
+    for s in steps:
+        progs = s["programs"]
+        assert ran <= set(progs) <= set(conf["executorch"]["programs"]), progs
+        for g, n in per_fn.items():
+            assert progs[f"{g}.forward"]["calls"] == progs[f"{g}.backward"]["calls"] == n
+        assert progs["embed"]["calls"] == progs["loss_finish"]["calls"] == 1
+        assert progs[optimizer]["calls"] == len(init)  # one call per LoRA tensor
+        assert all(p["s"] >= 0 for p in progs.values())
+        assert sum(p["s"] for p in progs.values()) <= s["time_s"]
     assert all(got[k].shape == init[k].shape and got[k].dtype == init[k].dtype for k in got)
     assert any(not (got[k] == init[k]).all() for k in got)  # it trained
     lora = conf["lora"]

@@ -170,8 +170,10 @@ def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[st
         raise MespError(f"native runner failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     memory = steps[0].get("memory", [])  # after load, around each program's first run
-    times = [s["time_s"] for s in steps[1:]] or [steps[0]["time_s"]]
+    timed = steps[1:] or steps[:1]
+    times = [s["time_s"] for s in timed]
     progs = conf["executorch"]["programs"]
+    names = sorted({k for s in timed for k in s.get("programs", {})})  # runners before: none
     return {
         "median_s": statistics.median(times),
         "steps_s": [s["time_s"] for s in steps],
@@ -183,6 +185,10 @@ def _native(c: OndeviceConfig, art: Path, work: Path, timeout: float) -> dict[st
         "poll_samples": r.samples,
         "memory_events": memory,
         "planned_bytes": {k: sum(v["planned_bytes"]) for k, v in progs.items()},
+        "program_s": {  # seconds in each program, median over the timed steps
+            k: statistics.median([s["programs"].get(k, {"s": 0.0})["s"] for s in timed])
+            for k in names
+        },
         "summary": r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "",
         "adapter": str(out / "adapter_model.safetensors"),
     }

@@ -101,6 +101,13 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
             if not e["at"].startswith("before")
         ]
         lines.append(f"Planned memory per program (MB), {label(r['config'])}: {planned}.")
+        spent = r["native"].get("program_s")  # rows of runners before it: none
+        if spent:
+            each = ", ".join(f"{k} {v:.2f}" for k, v in sorted(spent.items()))
+            lines.append(
+                f"Runner seconds per program in a step (median; the rest of the step's "
+                f"{r['native']['median_s']:.2f} s is outside the programs): {each}."
+            )
         if seen:
             lines.append(f"Runner RssAnon (MiB) at each point of step 1: {', '.join(seen)}.")
     lines += dp_lines(ok) + paper_table(ok)

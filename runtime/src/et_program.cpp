@@ -116,6 +116,8 @@ struct Loaded {
   std::unique_ptr<et::HierarchicalAllocator> planned_memory;
   std::unique_ptr<et::MemoryManager> memory;
   std::unique_ptr<et::Method> method;
+  double seconds = 0;  // in run() since the last take_times()
+  int64_t calls = 0;
 };
 
 }  // namespace
@@ -289,6 +291,7 @@ std::vector<TensorRef> Programs::run(const std::string& name,
   Loaded& p = *it->second;
   const ProgramSpec& s = *p.spec;
   if (inputs.size() != s.inputs.size()) throw RunnerError(name + ": wrong number of inputs");
+  const double t0 = now_seconds();
   // Inputs are not memory-planned (the method keeps a pointer to our data), and the arenas are
   // shared, so every input is set again before every execute.
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -331,7 +334,19 @@ std::vector<TensorRef> Programs::run(const std::string& name,
                         dtype_name(r.dtype) + shape_str(r.shape));
     result.push_back(r);
   }
+  p.seconds += now_seconds() - t0;
+  ++p.calls;
   return result;
+}
+
+std::vector<Programs::Time> Programs::take_times() {
+  std::vector<Time> out;
+  for (auto& [name, p] : impl_->programs) {
+    if (p->calls > 0) out.push_back({name, p->seconds, p->calls});
+    p->seconds = 0;
+    p->calls = 0;
+  }
+  return out;
 }
 
 }  // namespace mesp

@@ -49,6 +49,15 @@ class Programs {
 
   uint64_t planned_bytes() const;  // the arenas, in total
 
+  // Wall seconds each program spent in run() (inputs set, executed, outputs read) and its
+  // calls, in name order, since the last take_times(); programs not run since are left out.
+  struct Time {
+    std::string name;
+    double seconds = 0;
+    int64_t calls = 0;
+  };
+  std::vector<Time> take_times();
+
   // --threads: resize ExecuTorch's shared thread pool (0 leaves the default).
   static void set_threads(int n);
   // Threads the delegated kernels run on (1 where there is no pool).

@@ -16,11 +16,13 @@
 #include <fstream>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "artifacts.h"
 #include "data.h"
 #include "error.h"
 #include "et_program.h"
+#include "json.h"
 #include "platform.h"
 #include "private.h"
 #include "train.h"
@@ -181,6 +183,18 @@ std::string number_text(double v, const char* fmt, const char* inf) {
   return buf;
 }
 
+// {"g0.forward": {"s": 1.234567, "calls": 24}, ...}: where the step's time went, program by program
+std::string programs_json(const std::vector<Programs::Time>& times) {
+  std::string s = "{";
+  for (const Programs::Time& t : times) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, ": {\"s\": %.6f, \"calls\": %lld}", t.seconds,
+                  static_cast<long long>(t.calls));
+    s += (s.size() > 1 ? ", " : "") + json_quote(t.name) + buf;
+  }
+  return s + "}";
+}
+
 double mib(uint64_t bytes) {
   return static_cast<double>(bytes) / (1024.0 * 1024.0);
 }
@@ -215,6 +229,7 @@ int run(int argc, char** argv) {
   programs.warm_up();  // XNNPACK's workspace at its largest before the adapter is loaded
   trainer.prepare(programs);
   trainer.note_memory("after load");
+  programs.take_times();  // the warm-up's runs are no step's
 
   for (int64_t k = 1; k <= a.steps; ++k) {
     const double ts = now_seconds();
@@ -233,6 +248,7 @@ int run(int argc, char** argv) {
                 ", \"epsilon\": " + number_text(eps, "%.17g", "null");
     }
     const double dt = now_seconds() - ts;
+    const std::vector<Programs::Time> times = programs.take_times();
     const MemInfo m = mem_info();
     if (!a.quiet) {
       char shown[64];
@@ -254,12 +270,14 @@ int run(int argc, char** argv) {
       // "memory": after load and around each program's first run (step 1), else []
       std::fprintf(log,
                    "{\"step\": %lld, \"loss\": %s, \"time_s\": %.6f, \"peak_rss_bytes\": %llu, "
-                   "\"anon_bytes\": %llu, \"checkpoint_bytes\": %llu, \"memory\": %s%s}\n",
+                   "\"anon_bytes\": %llu, \"checkpoint_bytes\": %llu, \"memory\": %s, "
+                   "\"programs\": %s%s}\n",
                    static_cast<long long>(k), shown, dt,
                    static_cast<unsigned long long>(m.peak_rss),
                    static_cast<unsigned long long>(trainer.peak_anon()),
                    static_cast<unsigned long long>(trainer.checkpoint_bytes()),
-                   trainer.take_memory_events().c_str(), dp_json.c_str());
+                   trainer.take_memory_events().c_str(), programs_json(times).c_str(),
+                   dp_json.c_str());
       std::fflush(log);
     }
   }
