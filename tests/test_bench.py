@@ -237,6 +237,10 @@ def test_ondevice_section_shows_the_outside_poll_and_flags_a_dishonest_peak() ->
     assert "| 100.0 | 136.2 (!) | 1.00x |" in text
     assert "| 100.0 | not polled | 0.73x |" in text
     assert "outside 5 ms poll 101.0 MB" in line(row(100e6, 101e6))
+    assert "engine 6.00 s/step, peak RSS 900.0 MB" in line(row(100e6, None))  # a row before
+    timed = row(100e6, None)
+    timed["engine"] |= {"steps_s": [5.3, 7.9], "gemm_gflops": 161.2}
+    assert "engine 6.00 s/step (steps 5.30, 7.90; GEMM probe 161 GFLOP/s), peak RSS" in line(timed)
 
 
 def test_ondevice_paper_table_puts_each_cell_beside_the_papers() -> None:

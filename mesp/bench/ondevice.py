@@ -228,8 +228,12 @@ def _engine(c: OndeviceConfig, timeout: float) -> dict[str, Any]:
         res[part] = r = run_child(argv, timeout=timeout, faithful_malloc=False)
         if r.get("status") != "ok":
             raise MespError(f"engine {part} child: {r.get('reason', r.get('status'))}")
+    t = res["time"]
     return {
-        "median_s": res["time"]["time"]["median_s"],
+        "median_s": t["time"]["median_s"],
+        "steps_s": t["time"]["steps_s"],
+        # the time child's GEMM probe beside its steps: how fast this machine was just then
+        "gemm_gflops": (t.get("gemm") or {}).get("gflops"),
         "peak_rss_bytes": res["memory"]["rss"]["peak_bytes"],
         "exact": res["memory"]["exact"],
     }

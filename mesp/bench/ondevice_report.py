@@ -26,8 +26,17 @@ def line(r: dict[str, Any]) -> str:
         f"{label(r['config'])}: native {n['median_s']:.2f} s/step, peak anon "
         f"{n['peak_anon_bytes'] / 1e6:.1f} MB{_polled(n)} "
         f"(VmHWM {n['peak_rss_bytes'] / 1e6:.1f} MB); "
-        f"engine {e['median_s']:.2f} s/step, peak RSS {e['peak_rss_bytes'] / 1e6:.1f} MB"
+        f"engine {e['median_s']:.2f} s/step{_steps(e)}, peak RSS "
+        f"{e['peak_rss_bytes'] / 1e6:.1f} MB"
     )
+
+
+def _steps(e: dict[str, Any]) -> str:
+    """' (steps a, b, c; GEMM probe X GFLOP/s)' where the row has them (older rows have not)."""
+    if not e.get("steps_s"):
+        return ""
+    gemm = f"; GEMM probe {e['gemm_gflops']:.0f} GFLOP/s" if e.get("gemm_gflops") else ""
+    return f" (steps {', '.join(f'{t:.2f}' for t in e['steps_s'])}{gemm})"
 
 
 def _polled(n: dict[str, Any]) -> str:
