@@ -54,9 +54,10 @@ def _products(d: Named, spec: QuantSpec) -> Named:
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (5, 32), (6, 16)])
 def test_one_hot_products_give_the_dequantized_matrix_exactly(bits: int, group: int) -> None:
-    # N = 4100 rows of K = 128: 3 row blocks for x Wᵀ (2048 rows per MiB) and column blocks for
-    # dy W of whole groups (32 columns at groups of 32 and 64, 48 at 16), so every block boundary
-    # is crossed; at 5 and 6 bits columns 1, 31, 63 straddle bytes (and 63 a word at 5 bits)
+    # N = 4100 rows of K = 128: row blocks of 512 for x Wᵀ (256 KiB) and column blocks of 32
+    # for dy W (640 KiB at most, in sixteens: at groups of 64 a block ends inside a group), so
+    # every block boundary is crossed; at 5 and 6 bits columns 1, 31, 63 straddle bytes (and 63
+    # a word at 5 bits)
     n, k, spec = 4100, 128, QuantSpec(bits, group)
     w, dense = _packed(n, k, spec, bits)
     cols = torch.tensor([0, 1, 31, 32, 47, 48, 63, 64, 95, 96, 127])
@@ -102,6 +103,38 @@ def test_embedding_rows_unpack_exactly_on_the_runtime(bits: int, group: int) -> 
 
     (y,), _ = _run(fn, [packed_bytes(wq), sc, bi, ids])
     assert torch.equal(y, dequantize(wq, sc, bi, spec)[ids])
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (6, 16), (8, 64), (5, 128)])
+@pytest.mark.parametrize("vector", [0, 1], ids=["scalar", "avx2"])
+def test_both_dequantizers_give_dequantize_bits(bits: int, group: int, vector: int) -> None:
+    """The kernels' two forms of the dequantizer (packed_rows.h: eight scalar conversions, and
+    on x86-64 with AVX2 eight lanes at once) give dequantize's values to the bit, for blocks of
+    rows and blocks of columns that start and end inside a group."""
+    import ctypes
+
+    spec, n, k = QuantSpec(bits, group), 37, 512
+    w, dense = _packed(n, k, spec, bits * group)
+    lib = ctypes.CDLL(str(load_kernels()))
+    f, u8 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8)
+
+    def block(linear: bool, b0: int, length: int) -> Tensor:
+        out = torch.full((length, k) if linear else (n, length), float("nan"))
+        rc = lib.mesp_dequantize_block(
+            ctypes.cast(w.wq.data_ptr(), u8), ctypes.cast(w.scales.data_ptr(), f),
+            ctypes.cast(w.biases.data_ptr(), f), ctypes.c_int64(n), ctypes.c_int64(k),
+            ctypes.c_int64(bits), ctypes.c_int64(group), ctypes.c_int(int(linear)),
+            ctypes.c_int64(b0), ctypes.c_int64(length), ctypes.c_int(vector),
+            ctypes.cast(out.data_ptr(), f),
+        )  # fmt: skip
+        if rc != 0:
+            pytest.skip("no AVX2 form on this CPU or build")
+        return out
+
+    assert torch.equal(block(True, 0, n), dense)
+    assert torch.equal(block(True, 5, 17), dense[5:22])
+    for c0, c1 in [(0, k), (8, 40), (24, 264), (496, 512)]:
+        assert torch.equal(block(False, c0, c1 - c0), dense[:, c0:c1])
 
 
 _GUARD = r"""

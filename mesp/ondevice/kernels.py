@@ -25,6 +25,7 @@ from pathlib import Path
 from mesp.ondevice.run_files import write_atomic
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.cpp", "gated_act.cpp"))
+HEADERS = (Path(__file__).with_name("packed_rows.h"),)  # included by qmatmul.cpp
 # as the wheel's CMake package asks (runtime/CMakeLists.txt: MESP_ET_DEFINITIONS)
 DEFINES = ("C10_USING_CUSTOM_GENERATED_MACROS", "ET_EVENT_TRACER_ENABLED", "ET_USE_THREADPOOL")
 LIBS = ("executorch", "executorch_backend_xnnpack", "executorch_threadpool")
@@ -63,7 +64,7 @@ def _command(cxx: str, root: Path, out: str) -> list[str]:
 
 
 def library_path(root: Path, cxx: str) -> Path:
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     key.update(" ".join(_command(cxx, root, "")).encode())
     key.update(importlib.metadata.version("executorch").encode())
     base = os.environ.get("MESP_CACHE_DIR") or str(Path.home() / ".cache" / "mesp")

@@ -3,20 +3,22 @@
 // gated_act.cpp beside it holds the MLP's gated activation kernels.
 //
 //   qlinear  y (M, N) = x (M, K) Wᵀ     W (N, K) dequantized a block of rows at a time
-//   qmatmul  dx (M, K) = dy (M, N) W    W dequantized a block of whole groups of columns at a time
+//   qmatmul  dx (M, K) = dy (M, N) W    W dequantized a block of columns at a time
 //   qlinear_add / qmatmul_add: the same with a LoRA term added block by block (y += s·h Bᵀ,
 //   dx += gh A), so a LoRA linear's output is the only (M, N) tensor its product makes
 //
 // W is stored as mesp.quant.packed_bytes: bytes (N, K·bits/8), each row a little-endian bit
 // stream with value c at bits bits·c .. bits·c + bits − 1 (4 bits: byte c/2, low nibble first;
 // 8 bits: byte c; 5 and 6 bits: a value may straddle two bytes); scales and biases (N, K/g) fp32;
-// w = q·scale + bias, rounded twice as mesp.quant.dequantize_core_aten does (this file is
-// compiled with -ffp-contract=off, so no fused multiply-add merges the two). Each block goes
-// through XNNPACK's fp32 fully-connected operator on ExecuTorch's thread pool. So a product
-// holds one block of fp32 values and XNNPACK's packing of it (about 2 × kBlockBytes), where a
-// graph that dequantizes W whole holds all of W in fp32 in its arena and again packed in the
-// XNNPACK workspace. The cut keeps every dot product whole (rows of W for x Wᵀ, columns for
-// dy W), so the sums are XNNPACK's own, as in the delegated linears of the graphs.
+// w = q·scale + bias, rounded twice as mesp.quant.dequantize_core_aten does (packed_rows.h; this
+// file is compiled with -ffp-contract=off, so no fused multiply-add merges the two). The blocks
+// are shared out among the threads of ExecuTorch's pool: each thread dequantizes a block, packs
+// it (XNNPACK's fully-connected operator) and runs the GEMM on its own, so the block never leaves
+// its core's cache and the pool meets once per product. A product holds, per thread, one block
+// of fp32 values and XNNPACK's packing of it (at most 2 × 640 KiB), where a graph that
+// dequantizes W whole holds all of W in fp32 in its arena and again packed in the XNNPACK
+// workspace. The cut keeps every dot product whole (rows of W for x Wᵀ, columns for dy W), so the
+// sums are XNNPACK's own, as in the delegated linears of the graphs.
 //
 // Linked into mesp-runner, and built as libmesp_kernels.so for the Python driver (loaded before
 // the programs: its static initializer registers the kernels in the shared libexecutorch.so).
@@ -24,12 +26,16 @@
 #include <executorch/runtime/kernel/kernel_includes.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
+
+#include "packed_rows.h"
 
 struct pthreadpool;  // pthreadpool's opaque pool (C, global namespace)
 namespace executorch::extension::threadpool {
@@ -50,8 +56,10 @@ int xnn_reshape_fully_connected_nc_f32(xnn_operator_t op, size_t batch_size, ::p
 int xnn_setup_fully_connected_nc_f32(xnn_operator_t op, const float* input, float* output);
 int xnn_run_operator(xnn_operator_t op, ::pthreadpool* pool);
 int xnn_delete_operator(xnn_operator_t op);
-void pthreadpool_parallelize_1d(::pthreadpool* pool, void (*task)(void*, size_t), void* context,
-                                size_t range, uint32_t flags);
+size_t pthreadpool_get_threads_count(::pthreadpool* pool);
+void pthreadpool_parallelize_1d_with_thread(::pthreadpool* pool,
+                                            void (*task)(void*, size_t thread, size_t i),
+                                            void* context, size_t range, uint32_t flags);
 }
 
 namespace {
@@ -62,63 +70,19 @@ using executorch::aten::Tensor;
 using executorch::runtime::Error;
 using executorch::runtime::KernelRuntimeContext;
 
-constexpr size_t kBlockBytes = size_t(1) << 20;  // fp32 bytes of W per block
+// fp32 bytes of W per block, at most (a block is 16 rows or columns at least). Each thread
+// holds one block and XNNPACK's packing of it, so both stay in its core's L2 from the fill to the
+// GEMM. Rows (x Wᵀ) take 256 KiB. Columns (dy W) take up to 640 KiB: each column block reads all
+// of dy again, so wider blocks read it fewer times (32 columns of a 4864-row W: 608 KiB).
+// Measured on the real Qwen2.5-Coder-0.5B step (AMD EPYC Zen 4, 2 threads, fastest of 3 steps):
+// rows of 256 KiB were 2-6% faster than 128 or 640 KiB; a 256 KiB cap on columns (16-column
+// blocks for the MLP's dy W) was about 7% slower; 1100 KiB columns were no faster and held 2 MB
+// more.
+constexpr size_t kRowBlockBytes = size_t(256) << 10;
+constexpr size_t kColumnBlockBytes = size_t(640) << 10;
 constexpr uint32_t kTransposeWeights = 1;         // XNN_FLAG_TRANSPOSE_WEIGHTS: kernel (in, out)
 
-// W (N, K) as stored, and the shape checks every product needs.
-struct Packed {
-  const uint8_t* q;
-  const float* s;
-  const float* b;
-  int64_t n, k, bits, group, row_bytes, groups;
-
-  // values c0:c1 of row r (c0, c1 on group boundaries) into out
-  void row(int64_t r, int64_t c0, int64_t c1, float* out) const {
-    switch (bits) {
-      case 4: return row_of<4>(r, c0, c1, out);
-      case 5: return row_of<5>(r, c0, c1, out);
-      case 6: return row_of<6>(r, c0, c1, out);
-      default: return row_of<8>(r, c0, c1, out);
-    }
-  }
-
-  // Eight values at once: they fill exactly B bytes from a byte boundary (a group is a multiple
-  // of 8 values and starts on one), read as one little-endian integer, B bits a value.
-  template <int B>
-  void row_of(int64_t r, int64_t c0, int64_t c1, float* out) const {
-    const uint8_t* qr = q + r * row_bytes;
-    const float* sr = s + r * groups;
-    const float* br = b + r * groups;
-    for (int64_t g0 = c0; g0 < c1; g0 += group) {
-      const float sc = sr[g0 / group], bi = br[g0 / group];
-      const uint8_t* p = qr + g0 * B / 8;
-      for (int64_t c = 0; c < group; c += 8, p += B, out += 8) {
-        uint64_t word = 0;
-        for (int j = 0; j < B; ++j) word |= uint64_t(p[j]) << (8 * j);
-        for (int j = 0; j < 8; ++j) {
-          const float t = float(uint32_t(word >> (B * j)) & ((1u << B) - 1u)) * sc;
-          out[j] = t + bi;  // two roundings, as w = q·scale + bias everywhere (no FMA)
-        }
-      }
-    }
-  }
-};
-
-struct Fill {  // one block: rows r0:r0+rows (all columns), or all rows and columns c0:c1
-  const Packed* w;
-  float* buf;
-  int64_t r0, c0, c1;
-};
-
-void fill_rows(void* ctx, size_t i) {  // buf (rows, K): W[r0 + i, :]
-  auto* f = static_cast<Fill*>(ctx);
-  f->w->row(f->r0 + int64_t(i), 0, f->w->k, f->buf + int64_t(i) * f->w->k);
-}
-
-void fill_cols(void* ctx, size_t i) {  // buf (N, c1 - c0): W[i, c0:c1]
-  auto* f = static_cast<Fill*>(ctx);
-  f->w->row(int64_t(i), f->c0, f->c1, f->buf + int64_t(i) * (f->c1 - f->c0));
-}
+using mesp_packed::Packed;  // W (N, K) as stored, and its dequantizer (packed_rows.h)
 
 // XNNPACK's kernels may read up to XNN_EXTRA_BYTES (16) past the last input value they use
 // (xnnpack.h: "the input ... must have XNN_EXTRA_BYTES of readable memory past the end"). The
@@ -219,22 +183,6 @@ struct Addend {
   float alpha = 1.0f;
 };
 
-struct AddPart {  // y[i, 0:cols] (row stride ys) += alpha · part[i, 0:cols]
-  float* y;
-  const float* part;
-  size_t ys, cols;
-  float alpha;
-};
-
-void add_part_row(void* ctx, size_t i) {
-  const auto* c = static_cast<const AddPart*>(ctx);
-  float* y = c->y + i * c->ys;
-  const float* p = c->part + i * c->cols;
-  // alpha · p is exact at alpha = 1 (no FMA in this file), so one loop is the lowering's
-  // add (alpha = 1) and its mul then add (alpha != 1) alike
-  for (size_t j = 0; j < c->cols; ++j) y[j] = y[j] + c->alpha * p[j];
-}
-
 using Buffer = std::unique_ptr<float, decltype(&std::free)>;
 
 Buffer buffer(size_t floats) {
@@ -244,7 +192,7 @@ Buffer buffer(size_t floats) {
 // out columns c0:c0+cols of every row (row stride ys) += the addend's block for those columns;
 // kbuf holds the addend's matrix block (with slack), part the block of the product
 bool add_block(const Addend& ad, bool linear, size_t m, int64_t c0, int64_t cols, float* y,
-               size_t ys, float* kbuf, float* part, ::pthreadpool* pool, const Spare& spare) {
+               size_t ys, float* kbuf, float* part, const Spare& spare) {
   if (linear) {  // b rows c0:c0+cols, (cols, r): the operator's (out, in) kernel
     std::memcpy(kbuf, ad.b + c0 * ad.r, 4 * size_t(cols * ad.r));
   } else {  // b columns c0:c0+cols, (r, cols): an (in, out) kernel
@@ -252,10 +200,15 @@ bool add_block(const Addend& ad, bool linear, size_t m, int64_t c0, int64_t cols
       std::memcpy(kbuf + i * cols, ad.b + i * ad.b_cols + c0, 4 * size_t(cols));
   }
   if (!fully_connected(ad.a, m, size_t(ad.r), size_t(ad.r), kbuf, size_t(cols),
-                       linear ? 0 : kTransposeWeights, part, size_t(cols), pool, spare))
+                       linear ? 0 : kTransposeWeights, part, size_t(cols), nullptr, spare))
     return false;
-  AddPart c{y + c0, part, ys, size_t(cols), ad.alpha};
-  pthreadpool_parallelize_1d(pool, add_part_row, &c, m, 0);
+  // alpha · p is exact at alpha = 1 (no FMA in this file), so one loop is the lowering's add
+  // (alpha = 1) and its mul then add (alpha != 1) alike
+  for (size_t i = 0; i < m; ++i) {
+    float* yi = y + i * ys + c0;
+    const float* p = part + i * size_t(cols);
+    for (int64_t j = 0; j < cols; ++j) yi[j] = yi[j] + ad.alpha * p[j];
+  }
   return true;
 }
 
@@ -277,70 +230,89 @@ bool addend_of(KernelRuntimeContext& ctx, bool linear, const Packed& w, size_t m
   return true;
 }
 
-// y (..., N) = x (..., K) Wᵀ [+ alpha · a Bᵀ]: W in blocks of whole rows (output columns of y)
-Tensor& linear_impl(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
-                    const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
-                    const Tensor* a, const Tensor* b, double alpha, Tensor& out) {
-  Packed w{};
-  if (!checked(ctx, true, x, wq, scales, biases, bits, group, out, &w)) return out;
-  const size_t m = size_t(x.numel() / w.k);
-  Addend ad{};
-  if (a != nullptr && !addend_of(ctx, true, w, m, *a, *b, alpha, &ad)) return out;
-  xnn_initialize(nullptr);
-  auto* pool = executorch::extension::threadpool::get_pthreadpool();
-  const int64_t step = std::max<int64_t>(1, int64_t(kBlockBytes / (4 * size_t(w.k))));
-  const int64_t most = std::min(step, w.n);
-  Buffer buf = buffer(size_t(most * w.k));
-  Buffer kbuf = buffer(a ? size_t(most * ad.r) : 0), part = buffer(a ? m * size_t(most) : 0);
-  const Spare spare(x.const_data_ptr<float>(), m, size_t(w.k));
-  const Spare spare_a(ad.a, a ? m : 0, size_t(ad.r));
-  float* y = out.mutable_data_ptr<float>();
-  for (int64_t r0 = 0; r0 < w.n && m > 0; r0 += step) {
-    const int64_t rows = std::min(step, w.n - r0);
-    Fill f{&w, buf.get(), r0, 0, w.k};
-    pthreadpool_parallelize_1d(pool, fill_rows, &f, size_t(rows), 0);
-    if (!fully_connected(x.const_data_ptr<float>(), m, size_t(w.k), size_t(w.k), buf.get(),
-                         size_t(rows), 0, y + r0, size_t(w.n), pool, spare) ||
-        (a != nullptr && !add_block(ad, true, m, r0, rows, y, size_t(w.n), kbuf.get(),
-                                    part.get(), pool, spare_a))) {
-      ET_LOG(Error, "mesp::qlinear: XNNPACK's fully-connected operator failed");
-      ctx.fail(Error::Internal);
-      return out;
-    }
+// One product, cut into blocks of W: whole rows (linear: y's columns) or columns of every row
+// (matmul: dx's columns). Each block is dequantized, packed (XNNPACK's create) and multiplied by
+// one thread of the pool, on that thread alone, so its values stay in that core's cache from the
+// fill to the GEMM, and the pool meets once per product, not three times per block.
+struct Scratch {  // one thread's buffers: the block of W, the addend's block and its product
+  Buffer buf{nullptr, &std::free}, kbuf{nullptr, &std::free}, part{nullptr, &std::free};
+};
+
+struct Job {
+  const Packed* w;
+  bool linear;
+  const float* in;  // x (m, K) or dy (m, N)
+  size_t m;
+  float* out;  // y (m, N) or dx (m, K)
+  const Spare* spare;
+  const Addend* ad;  // the LoRA term, or nullptr
+  const Spare* spare_a;
+  int64_t step, len;  // a block's rows or columns, and all of them
+  Scratch* scratch;   // one per thread
+  std::atomic<bool> failed{false};
+};
+
+void block_task(void* ctx, size_t thread, size_t i) {
+  auto& j = *static_cast<Job*>(ctx);
+  if (j.failed.load(std::memory_order_relaxed)) return;
+  const Packed& w = *j.w;
+  Scratch& s = j.scratch[thread];
+  if (!s.buf) {
+    s.buf = buffer(size_t(j.step * (j.linear ? w.k : w.n)));
+    if (j.ad) s.kbuf = buffer(size_t(j.step * j.ad->r)), s.part = buffer(j.m * size_t(j.step));
   }
-  return out;
+  if (!s.buf || (j.ad && (!s.kbuf || !s.part))) {  // out of memory
+    j.failed.store(true);
+    return;
+  }
+  const int64_t b0 = int64_t(i) * j.step, len = std::min(j.step, j.len - b0);
+  float* buf = s.buf.get();
+  w.block(j.linear, b0, len, buf);  // linear: (len, K), W[b0:b0+len, :]; else (N, len)
+  const size_t in_ch = size_t(j.linear ? w.k : w.n), ys = size_t(j.linear ? w.n : w.k);
+  const bool ok =
+      fully_connected(j.in, j.m, in_ch, in_ch, buf, size_t(len), j.linear ? 0 : kTransposeWeights,
+                      j.out + b0, ys, nullptr, *j.spare) &&
+      (j.ad == nullptr || add_block(*j.ad, j.linear, j.m, b0, len, j.out, ys, s.kbuf.get(),
+                                    s.part.get(), *j.spare_a));
+  if (!ok) j.failed.store(true);
 }
 
-// dx (..., K) = dy (..., N) W [+ alpha · a A]: W in blocks of whole groups of columns
-Tensor& matmul_impl(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
-                    const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
-                    const Tensor* a, const Tensor* b, double alpha, Tensor& out) {
-  Packed w{};
-  if (!checked(ctx, false, dy, wq, scales, biases, bits, group, out, &w)) return out;
-  const size_t m = size_t(dy.numel() / w.n);
-  Addend ad{};
-  if (a != nullptr && !addend_of(ctx, false, w, m, *a, *b, alpha, &ad)) return out;
+bool product(const Packed& w, bool linear, const float* in, size_t m, float* out,
+             const Addend* ad) {
   xnn_initialize(nullptr);
   auto* pool = executorch::extension::threadpool::get_pthreadpool();
-  const int64_t per = int64_t(kBlockBytes / (4 * size_t(w.n))) / group * group;
-  const int64_t step = std::min(std::max(group, per), w.k);
-  Buffer buf = buffer(size_t(step * w.n));
-  Buffer kbuf = buffer(a ? size_t(step * ad.r) : 0), part = buffer(a ? m * size_t(step) : 0);
-  const Spare spare(dy.const_data_ptr<float>(), m, size_t(w.n));
-  const Spare spare_a(ad.a, a ? m : 0, size_t(ad.r));
-  float* dx = out.mutable_data_ptr<float>();
-  for (int64_t c0 = 0; c0 < w.k && m > 0; c0 += step) {
-    const int64_t cols = std::min(step, w.k - c0);
-    Fill f{&w, buf.get(), 0, c0, c0 + cols};
-    pthreadpool_parallelize_1d(pool, fill_cols, &f, size_t(w.n), 0);
-    if (!fully_connected(dy.const_data_ptr<float>(), m, size_t(w.n), size_t(w.n), buf.get(),
-                         size_t(cols), kTransposeWeights, dx + c0, size_t(w.k), pool, spare) ||
-        (a != nullptr && !add_block(ad, false, m, c0, cols, dx, size_t(w.k), kbuf.get(),
-                                    part.get(), pool, spare_a))) {
-      ET_LOG(Error, "mesp::qmatmul: XNNPACK's fully-connected operator failed");
-      ctx.fail(Error::Internal);
-      return out;
-    }
+  const int64_t threads = std::max<int64_t>(1, int64_t(pthreadpool_get_threads_count(pool)));
+  const int64_t len = linear ? w.n : w.k, width = linear ? w.k : w.n;
+  // rows or columns in sixteens (XNNPACK's widest tile; columns in eights at least, the
+  // dequantizer's unit) where there are that many
+  const int64_t unit = len >= 16 ? 16 : linear ? 1 : 8;
+  const size_t cap = linear ? kRowBlockBytes : kColumnBlockBytes;
+  int64_t step = std::max<int64_t>(1, int64_t(cap / (4 * size_t(width))) / unit) * unit;
+  const int64_t share = ((len + threads - 1) / threads + unit - 1) / unit * unit;
+  step = std::min(step, share);  // a block for every thread at least, where there are that many
+  std::vector<Scratch> scratch(static_cast<size_t>(threads));
+  const Spare spare(in, m, size_t(width));
+  const Spare spare_a(ad ? ad->a : nullptr, ad ? m : 0, size_t(ad ? ad->r : 0));
+  Job j{&w, linear, in, m, out, &spare, ad, &spare_a, step, len, scratch.data()};
+  const size_t blocks = size_t((len + step - 1) / step);
+  if (m > 0) pthreadpool_parallelize_1d_with_thread(pool, block_task, &j, blocks, 0);
+  return !j.failed.load();
+}
+
+// y (..., N) = x (..., K) Wᵀ [+ alpha · a Bᵀ], or dx (..., K) = dy (..., N) W [+ alpha · a A]
+Tensor& product_impl(KernelRuntimeContext& ctx, bool linear, const Tensor& in, const Tensor& wq,
+                     const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
+                     const Tensor* a, const Tensor* b, double alpha, Tensor& out) {
+  Packed w{};
+  if (!checked(ctx, linear, in, wq, scales, biases, bits, group, out, &w)) return out;
+  const size_t m = size_t(in.numel() / (linear ? w.k : w.n));
+  Addend ad{};
+  if (a != nullptr && !addend_of(ctx, linear, w, m, *a, *b, alpha, &ad)) return out;
+  if (!product(w, linear, in.const_data_ptr<float>(), m, out.mutable_data_ptr<float>(),
+               a ? &ad : nullptr)) {
+    ET_LOG(Error, "mesp::q%s: XNNPACK's fully-connected operator failed (or out of memory)",
+           linear ? "linear" : "matmul");
+    ctx.fail(Error::Internal);
   }
   return out;
 }
@@ -352,25 +324,25 @@ namespace mesp_kernels {
 Tensor& qlinear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
                     const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
                     Tensor& out) {
-  return linear_impl(ctx, x, wq, scales, biases, bits, group, nullptr, nullptr, 1.0, out);
+  return product_impl(ctx, true, x, wq, scales, biases, bits, group, nullptr, nullptr, 1.0, out);
 }
 
 Tensor& qmatmul_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
                     const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
                     Tensor& out) {
-  return matmul_impl(ctx, dy, wq, scales, biases, bits, group, nullptr, nullptr, 1.0, out);
+  return product_impl(ctx, false, dy, wq, scales, biases, bits, group, nullptr, nullptr, 1.0, out);
 }
 
 Tensor& qlinear_add_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& wq,
                         const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
                         const Tensor& a, const Tensor& b, double alpha, Tensor& out) {
-  return linear_impl(ctx, x, wq, scales, biases, bits, group, &a, &b, alpha, out);
+  return product_impl(ctx, true, x, wq, scales, biases, bits, group, &a, &b, alpha, out);
 }
 
 Tensor& qmatmul_add_out(KernelRuntimeContext& ctx, const Tensor& dy, const Tensor& wq,
                         const Tensor& scales, const Tensor& biases, int64_t bits, int64_t group,
                         const Tensor& a, const Tensor& b, double alpha, Tensor& out) {
-  return matmul_impl(ctx, dy, wq, scales, biases, bits, group, &a, &b, alpha, out);
+  return product_impl(ctx, false, dy, wq, scales, biases, bits, group, &a, &b, alpha, out);
 }
 
 }  // namespace mesp_kernels
@@ -383,6 +355,26 @@ extern "C" int mesp_fully_connected_f32(const float* in, size_t m, size_t k, con
   const Spare spare(in, m, k);
   auto* pool = executorch::extension::threadpool::get_pthreadpool();
   return fully_connected(in, m, k, k, kernel, n, 0, out, n, pool, spare) ? 0 : 1;
+}
+
+// One block of W's values, in the scalar form (vector 0) or the AVX2 form (vector 1), as the
+// kernels dequantize it (packed_rows.h): for the test that both give dequantize's bits. Returns
+// 1 where this build or CPU has no AVX2 form.
+extern "C" int mesp_dequantize_block(const uint8_t* q, const float* s, const float* b, int64_t n,
+                                     int64_t k, int64_t bits, int64_t group, int linear,
+                                     int64_t b0, int64_t len, int vector, float* out) {
+  const Packed w{q, s, b, n, k, bits, group, k * bits / 8, k / group};
+  if (!vector) {
+    w.block_scalar(linear != 0, b0, len, out);
+    return 0;
+  }
+#ifdef MESP_PACKED_AVX2
+  if (__builtin_cpu_supports("avx2")) {
+    w.block_avx2(linear != 0, b0, len, out);
+    return 0;
+  }
+#endif
+  return 1;
 }
 
 EXECUTORCH_LIBRARY(mesp, "qlinear.out", mesp_kernels::qlinear_out);

@@ -128,6 +128,6 @@ def memory_lines(fig: dict[str, Any]) -> list[str]:
         f"{plan['checkpoints'] / 2**20:.1f}; programs' planned MiB: "
         + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in top),
         f"not planned: the runtime, its libraries, the {plan['backend']} workspace"
-        + (" and mesp's kernels' block buffers (2 x 1 MiB)" if plan["kernels"] else "")
+        + (" and mesp's kernels' block buffers (2 x 640 KiB a thread)" if plan["kernels"] else "")
         + " (measured by `mesp bench ondevice`)",
     ]
