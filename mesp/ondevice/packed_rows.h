@@ -18,12 +18,19 @@
 
 namespace mesp_packed {
 
+// eight B-bit codes: the B bytes at p as one little-endian integer (no byte past them is read)
+template <int B>
+inline __attribute__((always_inline)) uint64_t word_of(const uint8_t* p) {
+  uint64_t word = 0;
+  for (int j = 0; j < B; ++j) word |= uint64_t(p[j]) << (8 * j);
+  return word;
+}
+
 // eight codes from p (B bytes) into out (8 floats): out[j] = q_j·sc + bi
 template <int B>
 inline __attribute__((always_inline)) void eight_scalar(const uint8_t* p, float sc, float bi,
                                                         float* out) {
-  uint64_t word = 0;
-  for (int j = 0; j < B; ++j) word |= uint64_t(p[j]) << (8 * j);
+  const uint64_t word = word_of<B>(p);
   for (int j = 0; j < 8; ++j) {
     const float t = float(uint32_t(word >> (B * j)) & ((1u << B) - 1u)) * sc;
     out[j] = t + bi;  // two roundings, as w = q·scale + bias everywhere
@@ -41,8 +48,7 @@ typedef float f32x8 __attribute__((vector_size(32)));
 template <int B>
 inline __attribute__((always_inline)) void eight_vector(const uint8_t* p, float sc, float bi,
                                                         float* out) {
-  uint64_t word = 0;
-  for (int j = 0; j < B; ++j) word |= uint64_t(p[j]) << (8 * j);
+  const uint64_t word = word_of<B>(p);
   const uint32_t lo = uint32_t(word), hi = uint32_t(word >> (4 * B));
   u32x8 v = {lo, lo, lo, lo, hi, hi, hi, hi};
   const u32x8 place = {0, B, 2 * B, 3 * B, 0, B, 2 * B, 3 * B};
@@ -110,6 +116,11 @@ struct Packed {
   }
 
 #ifdef MESP_PACKED_AVX2
+  static bool has_avx2() {  // this CPU's, asked once
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    return avx2;
+  }
+
   __attribute__((target("avx2"))) void block_avx2(bool linear, int64_t b0, int64_t len,
                                                   float* buf) const {
     block_bits<true>(linear, b0, len, buf);
@@ -119,8 +130,7 @@ struct Packed {
   // a block of W's values (see block_of), in the fastest form this CPU has
   void block(bool linear, int64_t b0, int64_t len, float* buf) const {
 #ifdef MESP_PACKED_AVX2
-    static const bool avx2 = __builtin_cpu_supports("avx2");
-    if (avx2) return block_avx2(linear, b0, len, buf);
+    if (has_avx2()) return block_avx2(linear, b0, len, buf);
 #endif
     block_scalar(linear, b0, len, buf);
   }

@@ -101,15 +101,16 @@ struct Spare {  // the input's last row (m rows of `floats`), copied once, with 
   }
 };
 
-// out[:, 0:out_ch] (row stride out_stride) = in (M, in_ch; row stride in_stride) · kernel, the
-// last row of in read from `spare` (the same values: every block of W reads the same rows)
-bool fully_connected(const float* in, size_t m, size_t in_ch, size_t in_stride,
-                     const float* kernel, size_t out_ch, uint32_t flags, float* out,
-                     size_t out_stride, ::pthreadpool* pool, const Spare& spare) {
+// out[:, 0:out_ch] (row stride out_stride) = in (M, in_ch) · kernel, the last row of in read
+// from `spare` (the same values: every block of W reads the same rows); on the calling thread
+// alone (each thread of the pool runs its own blocks)
+bool fully_connected(const float* in, size_t m, size_t in_ch, const float* kernel, size_t out_ch,
+                     uint32_t flags, float* out, size_t out_stride, const Spare& spare) {
+  ::pthreadpool* const pool = nullptr;
   xnn_operator_t op = nullptr;
   const float inf = std::numeric_limits<float>::infinity();
-  if (xnn_create_fully_connected_nc_f32(in_ch, out_ch, in_stride, out_stride, kernel, nullptr,
-                                        -inf, inf, flags, nullptr, &op) != 0)
+  if (xnn_create_fully_connected_nc_f32(in_ch, out_ch, in_ch, out_stride, kernel, nullptr, -inf,
+                                        inf, flags, nullptr, &op) != 0)
     return false;
   bool ok = m < 2 || (xnn_reshape_fully_connected_nc_f32(op, m - 1, pool) == 0 &&
                       xnn_setup_fully_connected_nc_f32(op, in, out) == 0 &&
@@ -199,8 +200,8 @@ bool add_block(const Addend& ad, bool linear, size_t m, int64_t c0, int64_t cols
     for (int64_t i = 0; i < ad.r; ++i)
       std::memcpy(kbuf + i * cols, ad.b + i * ad.b_cols + c0, 4 * size_t(cols));
   }
-  if (!fully_connected(ad.a, m, size_t(ad.r), size_t(ad.r), kbuf, size_t(cols),
-                       linear ? 0 : kTransposeWeights, part, size_t(cols), nullptr, spare))
+  if (!fully_connected(ad.a, m, size_t(ad.r), kbuf, size_t(cols), linear ? 0 : kTransposeWeights,
+                       part, size_t(cols), spare))
     return false;
   // alpha · p is exact at alpha = 1 (no FMA in this file), so one loop is the lowering's add
   // (alpha = 1) and its mul then add (alpha != 1) alike
@@ -270,8 +271,8 @@ void block_task(void* ctx, size_t thread, size_t i) {
   w.block(j.linear, b0, len, buf);  // linear: (len, K), W[b0:b0+len, :]; else (N, len)
   const size_t in_ch = size_t(j.linear ? w.k : w.n), ys = size_t(j.linear ? w.n : w.k);
   const bool ok =
-      fully_connected(j.in, j.m, in_ch, in_ch, buf, size_t(len), j.linear ? 0 : kTransposeWeights,
-                      j.out + b0, ys, nullptr, *j.spare) &&
+      fully_connected(j.in, j.m, in_ch, buf, size_t(len), j.linear ? 0 : kTransposeWeights,
+                      j.out + b0, ys, *j.spare) &&
       (j.ad == nullptr || add_block(*j.ad, j.linear, j.m, b0, len, j.out, ys, s.kbuf.get(),
                                     s.part.get(), *j.spare_a));
   if (!ok) j.failed.store(true);
@@ -353,8 +354,7 @@ extern "C" int mesp_fully_connected_f32(const float* in, size_t m, size_t k, con
                                         size_t n, float* out) {
   xnn_initialize(nullptr);
   const Spare spare(in, m, k);
-  auto* pool = executorch::extension::threadpool::get_pthreadpool();
-  return fully_connected(in, m, k, k, kernel, n, 0, out, n, pool, spare) ? 0 : 1;
+  return fully_connected(in, m, k, kernel, n, 0, out, n, spare) ? 0 : 1;
 }
 
 // One block of W's values, in the scalar form (vector 0) or the AVX2 form (vector 1), as the
@@ -369,7 +369,7 @@ extern "C" int mesp_dequantize_block(const uint8_t* q, const float* s, const flo
     return 0;
   }
 #ifdef MESP_PACKED_AVX2
-  if (__builtin_cpu_supports("avx2")) {
+  if (Packed::has_avx2()) {
     w.block_avx2(linear != 0, b0, len, out);
     return 0;
   }
